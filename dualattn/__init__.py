@@ -1,0 +1,16 @@
+"""dualattn: one set of Triton attention kernels for PyTorch and JAX.
+
+`import dualattn` needs neither torch nor jax; the front ends live in
+`dualattn.torch_api` and `dualattn.jax_api` and import their framework on use.
+"""
+from .options import FlashOptions, canonical_window
+
+__version__ = "0.1.0"
+
+__all__ = ["FlashOptions", "canonical_window", "flash_attention", "__version__"]
+
+
+def flash_attention(query, key, value, **kwargs):
+    """Framework-agnostic entry: torch tensors in -> torch out, jax arrays in -> jax out."""
+    from .interop import dispatch_flash_attention
+    return dispatch_flash_attention(query, key, value, **kwargs)

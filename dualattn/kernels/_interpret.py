@@ -1,0 +1,54 @@
+"""A second, interpreted copy of the kernel modules, chosen per launch.
+
+Triton decides at decoration time whether `@triton.jit` builds a compiled or an
+interpreted kernel (TRITON_INTERPRET).  Users must not have to set that variable, so
+we import this package a second time, under the name `_dualattn_interpreted`, with
+TRITON_INTERPRET=1 set only for the duration of that import.  Both copies come from
+the same source files; relative imports inside the package keep the interpreted
+kernels calling interpreted helpers.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+from types import ModuleType
+
+# Triton itself must be imported (compiled mode) before TRITON_INTERPRET is set below,
+# or its own library functions would be built as interpreted ones for every later user.
+import triton  # noqa: F401
+import triton.language  # noqa: F401
+
+_PACKAGE = "_dualattn_interpreted"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LOCK = threading.Lock()
+
+
+def _import_interpreted(submodule: str) -> ModuleType:
+    with _LOCK:
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            if _PACKAGE not in sys.modules:
+                spec = importlib.util.spec_from_file_location(
+                    _PACKAGE, os.path.join(_HERE, "__init__.py"), submodule_search_locations=[_HERE])
+                pkg = importlib.util.module_from_spec(spec)
+                sys.modules[_PACKAGE] = pkg
+                spec.loader.exec_module(pkg)
+            return importlib.import_module(f"{_PACKAGE}.{submodule}")
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+
+
+def kernel(submodule: str, name: str, *, interpret: bool):
+    """The kernel `name` of `dualattn.kernels.<submodule>`, compiled or interpreted."""
+    if interpret:
+        module = _import_interpreted(submodule)
+    else:
+        module = importlib.import_module(f"{__package__}.{submodule}")
+    return getattr(module, name)

@@ -1,0 +1,348 @@
+"""Flash attention backward: delta preprocessing (+ dsinks), dK/dV (+ dbias), dQ.
+
+Recomputes P = exp(S - lse) tile by tile from the forward's lse (FA2).  With the
+natural-unit pre-cap scores z = qk * scale + bias and S = cap * tanh(z / cap):
+    dP = dO V^T (dropout: times keep / (1 - p)),  dS = P (dP - delta),  delta = rowsum(dO * O)
+    dZ = dS (1 - tanh^2)  -> dbias = dZ, dQ = scale dZ K, dK = scale dZ^T Q, dV = P_dropped^T dO
+    dsink_n = -sum_i exp(sink_n - lse_i) delta_i
+dK/dV programs own one key tile of one KV head and loop over the query heads of its GQA
+group, so no atomics are needed.  Tile ranges come from rules.band_range, as in forward.
+"""
+import triton
+import triton.language as tl
+
+from .rules import (LN2, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
+                    reduce_sum, tile_mask)
+
+
+@triton.jit
+def flash_bwd_preprocess_kernel(
+    O, DO, LSE, SINKS, CU_SEQLENS_Q,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, sinks_stride_h,
+    seqlen_q, num_heads_q,
+    DELTA, DSINKS_PARTIAL,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    q_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    base = b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    ptrs = base + offs_m[:, None] * stride_os + offs_dv[None, :]
+    o = load_tile(O + ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V).to(tl.float32)
+    do = load_tile(DO + ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V).to(tl.float32)
+    delta = reduce_sum(o * do, 1)  # [BLOCK_M]
+    lse_row = b.to(tl.int64) * stride_lse_b + h * stride_lse_h + q_start
+    tl.store(DELTA + lse_row + offs_m, delta, mask=offs_m < seqlen_q)
+    if NUM_SINKS > 0:
+        lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+        offs_s = tl.arange(0, BLOCK_SINKS)
+        sinks = tl.load(SINKS + h * sinks_stride_h + offs_s, mask=offs_s < NUM_SINKS, other=0.0).to(tl.float32)
+        p_sink = tl.exp2((sinks[None, :] - lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_SINKS]
+        dsinks = reduce_sum(-p_sink * delta[:, None], 0)
+        # Deterministic: one partial row per program, summed by the front end.
+        out = (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * NUM_SINKS
+        tl.store(DSINKS_PARTIAL + out + offs_s, dsinks, mask=offs_s < NUM_SINKS)
+
+
+@triton.jit
+def _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+                   bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right,
+                   sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                   HAS_SEGMENTS: tl.constexpr):
+    """Recompute the [BLOCK_M, BLOCK_N] probabilities and the soft-cap derivative 1 - tanh^2."""
+    qk = tl.dot(q, tl.trans(k))
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(BIAS_ROW + offs_m[:, None].to(tl.int64) * bias_stride_s + offs_n[None, :],
+                       mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k), other=0.0).to(tl.float32)
+    s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+    cap_grad = 1.0
+    if HAS_SOFTCAP:
+        t = s * (LN2 / softcap)  # tanh(z / cap), read back from the capped score
+        cap_grad = 1.0 - t * t
+    if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
+        ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
+                       q_seg, MASK_ROW, k_seg, mask_stride_s,
+                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK)
+        s = tl.where(ok, s, float("-inf"))
+    # lse = -inf marks a fully masked row: every s there is -inf too, so P = 0.
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    p = tl.exp2(s - lse2[:, None])
+    return p, cap_grad
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
+                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, DBIAS_ROW,
+                stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
+                seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                dropout_seed, dropout_threshold, dropout_scale,
+                POSITIONAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
+                      offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+        do = load_tile(DO_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], offs_m, seqlen_q,
+                       offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_M, BLOCK_DV]
+        in_rows = offs_m < seqlen_q
+        lse = tl.load(LSE_HEAD + offs_m, mask=in_rows, other=0.0)
+        delta = tl.load(DELTA_HEAD + offs_m, mask=in_rows, other=0.0)
+        q_seg = 0
+        if HAS_SEGMENTS:
+            q_seg = tl.load(QSEG_ROW + offs_m, mask=in_rows, other=-2)
+        p, cap_grad = _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+                                     bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
+                                     window_left, window_right, sm_scale, softcap, POSITIONAL,
+                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS)
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        p_dropped = p
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_row_hash(dropout_seed, batch_head, offs_m), offs_n, dropout_threshold)
+            p_dropped = tl.where(keep, p * dropout_scale, 0.0)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, dv)
+        dz = p * (dp - delta[:, None]) * cap_grad  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            tl.store(DBIAS_ROW + offs_m[:, None].to(tl.int64) * dbias_stride_s + offs_n[None, :], dz,
+                     mask=in_rows[:, None] & (offs_n[None, :] < seqlen_k))
+        dk = tl.dot(tl.trans(dz.to(q.dtype)), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DO, LSE, DELTA,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+    bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
+    sm_scale, softcap, dropout_seed, dropout_threshold, dropout_scale,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    dbias_stride_b, dbias_stride_h, dbias_stride_s,
+    DK, DV, DBIAS,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    num_heads_kv = num_heads_q // group_size
+    b = pid_bh // num_heads_kv
+    h_kv = pid_bh % num_heads_kv
+    if STRIDES_ALIGNED:
+        stride_qs = tl.multiple_of(stride_qs, 16)
+        stride_ks = tl.multiple_of(stride_ks, 16)
+        stride_vs = tl.multiple_of(stride_vs, 16)
+        stride_os = tl.multiple_of(stride_os, 16)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    diag = seqlen_k - seqlen_q + diag_shift
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    k_row = b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
+    v_row = b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
+    k = load_tile(K + k_row + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
+                  offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+    v = load_tile(V + v_row + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
+                  offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+    k_seg = 0
+    if HAS_SEGMENTS:
+        k_seg = tl.load(KSEG + b64 * seg_stride_kb + offs_n, mask=offs_n < seqlen_k, other=-1)
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
+    start, full_start, full_end, end = query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, group_size):
+        h = h_kv * group_size + g
+        batch_head = b * num_heads_q + h
+        Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+        DO_HEAD = DO + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+        LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
+        DELTA_HEAD = DELTA + b64 * stride_lse_b + h * stride_lse_h + q_start  # same layout as LSE
+        BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
+        MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+        DBIAS_ROW = DBIAS + b64 * dbias_stride_b + h * dbias_stride_h
+        QSEG_ROW = QSEG + b64 * seg_stride_qb
+        for segment in tl.static_range(3):
+            lo = start if segment == 0 else (full_start if segment == 1 else full_end)
+            hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
+                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, DBIAS_ROW,
+                stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
+                seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                dropout_seed, dropout_threshold, dropout_scale,
+                segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT)
+    dk = dk * sm_scale
+    dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
+    dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
+    tl.store(DK + dk_row + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + dv_row + offs_n[:, None] * stride_dvs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
+              K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+              stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+              seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+              dropout_threshold, dropout_scale,
+              POSITIONAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
+                      offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
+                      offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+        k_seg = 0
+        if HAS_SEGMENTS:
+            k_seg = tl.load(KSEG_ROW + offs_n, mask=offs_n < seqlen_k, other=-1)
+        p, cap_grad = _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+                                     bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
+                                     window_left, window_right, sm_scale, softcap, POSITIONAL,
+                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS)
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            keep = dropout_keep(row_hash, offs_n, dropout_threshold)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        dz = p * (dp - delta[:, None]) * cap_grad
+        dq = tl.dot(dz.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def flash_bwd_dq_kernel(
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DO, LSE, DELTA,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+    bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
+    sm_scale, softcap, dropout_seed, dropout_threshold, dropout_scale,
+    stride_dqb, stride_dqs, stride_dqh,
+    DQ,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    h_kv = h // group_size
+    if STRIDES_ALIGNED:
+        stride_qs = tl.multiple_of(stride_qs, 16)
+        stride_ks = tl.multiple_of(stride_ks, 16)
+        stride_vs = tl.multiple_of(stride_vs, 16)
+        stride_os = tl.multiple_of(stride_os, 16)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    diag = seqlen_k - seqlen_q + diag_shift
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    q_row = b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    o_row = b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    q = load_tile(Q + q_row + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
+                  offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    do = load_tile(DO + o_row + offs_m[:, None] * stride_os + offs_dv[None, :], offs_m, seqlen_q,
+                   offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_M, BLOCK_DV]
+    lse_row = b64 * stride_lse_b + h * stride_lse_h + q_start
+    lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    delta = tl.load(DELTA + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    q_seg = 0
+    if HAS_SEGMENTS:
+        q_seg = tl.load(QSEG + b64 * seg_stride_qb + offs_m, mask=offs_m < seqlen_q, other=-2)
+    row_hash = 0
+    if HAS_DROPOUT:
+        row_hash = dropout_row_hash(dropout_seed, pid_bh, offs_m)
+    K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
+    V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
+    BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
+    MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+    KSEG_ROW = KSEG + b64 * seg_stride_kb
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for segment in tl.static_range(3):
+        lo = start if segment == 0 else (full_start if segment == 1 else full_end)
+        hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
+                       K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+                       stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+                       seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                       dropout_threshold, dropout_scale,
+                       segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT)
+    dq = dq * sm_scale
+    dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
+    tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def dropout_mask_kernel(KEEP, seqlen_q, seqlen_k, num_heads, dropout_seed, dropout_threshold,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Materialise the keep-mask the attention kernels use (tests and debugging)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_hash = dropout_row_hash(dropout_seed, pid_bh, offs_m)
+    base = pid_bh.to(tl.int64) * seqlen_q * seqlen_k
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = dropout_keep(row_hash, offs_n, dropout_threshold)
+        tl.store(KEEP + base + offs_m[:, None].to(tl.int64) * seqlen_k + offs_n[None, :], keep.to(tl.int8),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

@@ -1,0 +1,162 @@
+"""Flash attention forward: O and the natural-log log-sum-exp (fp32), every SPEC option.
+
+Grid: (cdiv(max Sq, BLOCK_M), batch * Hq).  One program owns one query tile of one
+head and streams the key tiles that band_range says it can see: masked edge tiles and
+unmasked interior tiles go through the same inner loop, specialised by POSITIONAL.
+Layouts: element strides for (batch, seq, head); the head dimension is contiguous.
+Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
+"""
+import triton
+import triton.language as tl
+
+from .rules import LN2, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, reduce_max, reduce_sum, tile_mask
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
+               K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+               stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+               seqlen_q, seqlen_k, diag, window_left, window_right,
+               sm_scale, softcap, dropout_threshold, dropout_scale,
+               POSITIONAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
+        k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
+                      offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(BIAS_ROW + offs_m[:, None].to(tl.int64) * bias_stride_s + offs_n[None, :],
+                           mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k),
+                           other=0.0).to(tl.float32)
+        s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        k_seg = 0
+        if HAS_SEGMENTS:
+            k_seg = tl.load(KSEG_ROW + offs_n, mask=offs_n < seqlen_k, other=-1)
+        if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
+            ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
+                           q_seg, MASK_ROW, k_seg, mask_stride_s,
+                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + reduce_sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = dropout_keep(row_hash, offs_n, dropout_threshold)
+            p = tl.where(keep, p * dropout_scale, 0.0)
+        v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
+                      offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_fwd_kernel(
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+    bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
+    sm_scale, softcap, dropout_seed, dropout_threshold, dropout_scale,
+    O, LSE,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    h_kv = h // group_size
+    if STRIDES_ALIGNED:
+        # The launch plan checked these; both torch and jax launches compile the same hints.
+        stride_qs = tl.multiple_of(stride_qs, 16)
+        stride_ks = tl.multiple_of(stride_ks, 16)
+        stride_vs = tl.multiple_of(stride_vs, 16)
+        stride_os = tl.multiple_of(stride_os, 16)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    diag = seqlen_k - seqlen_q + diag_shift
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
+    V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
+    q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
+                  offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+
+    BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
+    MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+    KSEG_ROW = KSEG + b64 * seg_stride_kb
+    q_seg = 0
+    if HAS_SEGMENTS:
+        q_seg = tl.load(QSEG + b64 * seg_stride_qb + offs_m, mask=offs_m < seqlen_q, other=-2)
+    row_hash = 0
+    if HAS_DROPOUT:
+        row_hash = dropout_row_hash(dropout_seed, pid_bh, offs_m)
+
+    # Sinks join every row's denominator: start the online softmax from them.
+    if NUM_SINKS > 0:
+        offs_s = tl.arange(0, BLOCK_SINKS)
+        sinks = tl.load(SINKS + h * sinks_stride_h + offs_s, mask=offs_s < NUM_SINKS,
+                        other=float("-inf")).to(tl.float32) * LOG2E
+        sink_max = reduce_max(sinks, 0)
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + sink_max
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32) + reduce_sum(tl.exp2(sinks - sink_max), 0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+
+    start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for segment in tl.static_range(3):
+        # Edge tiles [start, full_start) and [full_end, end) need the position mask; the
+        # interior [full_start, full_end) does not.
+        lo = start if segment == 0 else (full_start if segment == 1 else full_end)
+        hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
+            K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+            stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+            seqlen_q, seqlen_k, diag, window_left, window_right,
+            sm_scale, softcap, dropout_threshold, dropout_scale,
+            segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT)
+
+    # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    tl.store(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
+    LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
+    tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < seqlen_q)

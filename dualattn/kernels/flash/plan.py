@@ -1,0 +1,252 @@
+"""Launch plans of the flash kernels: grids, block sizes, warps, stages, specialisations.
+
+Framework-free and shared by the torch and JAX front ends, so both compile and launch the
+identical kernel variants.  Inputs: FlashShapes (validated sizes), FlashOptions (static
+options) and the element strides of the arrays (torch: tensor.stride(); JAX: row-major).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+from ...options import FlashOptions
+from ...validation import FlashShapes
+from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
+
+FWD_INPUTS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
+              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k")
+BWD_INPUTS = FWD_INPUTS + ("out", "dout", "lse", "delta")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tiles of the three launches of one flash problem (what the executor selects)."""
+
+    fwd: TileConfig
+    bwd_dkdv: TileConfig   # fixed key tile block_n, iterated query tiles block_m
+    bwd_dq: TileConfig
+
+
+def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90) -> FlashConfig:
+    """Heuristic tiles per (platform, head dim).  Tuned figures live in benchmarks/NOTES.md."""
+    d = max(next_pow2(shapes.head_dim), next_pow2(shapes.head_dim_v))
+    if interpret:
+        # The interpreter pays per tile op, not per element: big tiles, no pipelining.
+        t = TileConfig(64, 64, 4, 1)
+        return FlashConfig(t, t, t)
+    if d <= 64:
+        fwd = TileConfig(128, 64, 4, 3)
+    elif d <= 128:
+        fwd = TileConfig(128, 64, 8, 3)
+    else:
+        fwd = TileConfig(64, 32, 4, 2)
+    if d <= 128:
+        dkdv = TileConfig(32, 128, 4, 3)
+        dq = TileConfig(128, 32, 4, 3)
+    else:
+        dkdv = TileConfig(32, 64, 4, 2)
+        dq = TileConfig(64, 32, 4, 2)
+    if shapes.seqlen_q <= 64 or shapes.seqlen_k <= 64:
+        # Decode-like shapes: don't waste most of a 128-row tile.
+        small = lambda t: TileConfig(min(t.block_m, max(16, next_pow2(shapes.seqlen_q))),
+                                     min(t.block_n, max(16, next_pow2(shapes.seqlen_k))),
+                                     min(t.num_warps, 4), t.num_stages)
+        fwd, dkdv, dq = small(fwd), small(dkdv), small(dq)
+    return FlashConfig(fwd, dkdv, dq)
+
+
+def _seq_strides(strides: Tuple[int, ...], varlen: bool) -> Tuple[int, int, int]:
+    """(batch, seq, head) element strides of a BSHD or packed (total, H, D) array."""
+    if varlen:
+        return 0, strides[0], strides[1]
+    return strides[0], strides[1], strides[2]
+
+
+def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]],
+                    dropout_seed: Optional[int], diag_shift: int):
+    varlen = shapes.varlen
+    qb, qs, qh = _seq_strides(strides["query"], varlen)
+    kb, ks, kh = _seq_strides(strides["key"], varlen)
+    vb, vs, vh = _seq_strides(strides["value"], varlen)
+    ob, os_, oh = _seq_strides(strides["out"], varlen)
+    if varlen:
+        lse_b, lse_h = 0, shapes.total_q
+    else:
+        lse_b, lse_h = shapes.heads_q * shapes.seqlen_q, shapes.seqlen_q
+
+    def map_strides(name, bcast_batch, bcast_head):
+        if name not in strides:
+            return 0, 0, 0
+        sb, sh, ss, _ = strides[name]
+        # Broadcast (size-1) batch/head dims read the same rows for every program.
+        return (0 if bcast_batch else sb), (0 if bcast_head else sh), ss
+
+    bias_b, bias_h, bias_s = map_strides("bias", shapes.bias_bcast_batch, shapes.bias_bcast_head)
+    mask_b, mask_h, mask_s = map_strides("attention_mask", shapes.mask_bcast_batch, shapes.mask_bcast_head)
+    seg_qb = strides["q_segment_ids"][0] if "q_segment_ids" in strides else 0
+    seg_kb = strides["kv_segment_ids"][0] if "kv_segment_ids" in strides else 0
+    sinks_h = shapes.num_sinks if shapes.sinks_per_head else 0
+    p = options.dropout_prob
+    scalars = (
+        ("stride_qb", qb), ("stride_qs", qs), ("stride_qh", qh),
+        ("stride_kb", kb), ("stride_ks", ks), ("stride_kh", kh),
+        ("stride_vb", vb), ("stride_vs", vs), ("stride_vh", vh),
+        ("stride_ob", ob), ("stride_os", os_), ("stride_oh", oh),
+        ("stride_lse_b", lse_b), ("stride_lse_h", lse_h),
+        ("bias_stride_b", bias_b), ("bias_stride_h", bias_h), ("bias_stride_s", bias_s),
+        ("mask_stride_b", mask_b), ("mask_stride_h", mask_h), ("mask_stride_s", mask_s),
+        ("seg_stride_qb", seg_qb), ("seg_stride_kb", seg_kb), ("sinks_stride_h", sinks_h),
+        ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
+        ("num_heads_q", shapes.heads_q), ("group_size", shapes.group_size), ("diag_shift", int(diag_shift)),
+        ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
+        ("sm_scale", float(options.softmax_scale)), ("softcap", float(options.logits_soft_cap or 1.0)),
+        ("dropout_seed", as_int32(dropout_seed)),
+        ("dropout_threshold", int(round(p * (1 << 24)))),
+        ("dropout_scale", 1.0 / (1.0 - p)),
+    )
+    seq_strides = (qs, ks, vs, os_)
+    aligned = all(s % 16 == 0 for s in seq_strides)
+    constexprs = (
+        ("HEAD_DIM", shapes.head_dim), ("HEAD_DIM_V", shapes.head_dim_v),
+        ("BLOCK_D", max(16, next_pow2(shapes.head_dim))), ("BLOCK_DV", max(16, next_pow2(shapes.head_dim_v))),
+        ("STRIDES_ALIGNED", aligned),
+        ("HAS_LEFT", options.window_left is not None), ("HAS_RIGHT", options.window_right is not None),
+        ("HAS_SOFTCAP", options.logits_soft_cap is not None), ("HAS_BIAS", shapes.has_bias),
+        ("HAS_MASK", shapes.has_mask), ("HAS_SEGMENTS", shapes.has_segments),
+        ("NUM_SINKS", shapes.num_sinks), ("BLOCK_SINKS", max(2, next_pow2(shapes.num_sinks))),
+        ("HAS_DROPOUT", p > 0.0), ("IS_VARLEN", shapes.varlen),
+    )
+    return scalars, constexprs
+
+
+def _lse_shape(shapes: FlashShapes):
+    if shapes.varlen:
+        return (shapes.heads_q, shapes.total_q)
+    return (shapes.batch, shapes.heads_q, shapes.seqlen_q)
+
+
+def out_shape(shapes: FlashShapes):
+    if shapes.varlen:
+        return (shapes.total_q, shapes.heads_q, shapes.head_dim_v)
+    return (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim_v)
+
+
+def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
+                 config: FlashConfig, dropout_seed: Optional[int] = None, diag_shift: int = 0) -> Launch:
+    """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'."""
+    scalars, constexprs = _common_scalars(shapes, options, strides, dropout_seed, diag_shift)
+    t = config.fwd
+    return Launch(
+        module="flash.forward", kernel="flash_fwd_kernel",
+        grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
+        inputs=FWD_INPUTS, scalars=scalars,
+        outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32")),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
+        num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+BWD_KERNEL_INPUTS = FWD_INPUTS + ("dout", "lse", "delta")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    preprocess: Launch   # delta = rowsum(dO * O) and per-block dsinks partial sums
+    dkdv: Launch
+    dq: Launch
+    dsinks_blocks: int   # rows of partial dsinks to sum: batch * Hq * query tiles
+
+
+def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
+                  config: FlashConfig, dropout_seed: Optional[int] = None, diag_shift: int = 0) -> BackwardPlan:
+    """The three backward launches.  `strides` must include 'out' (also used for dout)."""
+    scalars, constexprs = _common_scalars(shapes, options, strides, dropout_seed, diag_shift)
+    scalar = dict(scalars)
+    varlen = shapes.varlen
+    const = dict(constexprs)
+    lse_shape = _lse_shape(shapes)
+
+    pre_m = config.bwd_dq.block_m
+    n_m_blocks = cdiv(shapes.seqlen_q, pre_m)
+    num_sinks = shapes.num_sinks
+    preprocess = Launch(
+        module="flash.backward", kernel="flash_bwd_preprocess_kernel",
+        grid=(n_m_blocks, shapes.batch * shapes.heads_q, 1),
+        inputs=("out", "dout", "lse", "softmax_aux", "cu_seqlens_q"),
+        scalars=tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b",
+                                                "stride_lse_h", "sinks_stride_h", "seqlen_q", "num_heads_q")),
+        outputs=(Output("delta", lse_shape, "float32"),
+                 Output("dsinks_partial", (shapes.batch * shapes.heads_q * n_m_blocks, max(1, num_sinks)),
+                        "float32", zeroed=True)),
+        constexprs=(("HEAD_DIM_V", shapes.head_dim_v), ("BLOCK_DV", const["BLOCK_DV"]), ("BLOCK_M", pre_m),
+                    ("NUM_SINKS", num_sinks), ("BLOCK_SINKS", const["BLOCK_SINKS"]), ("IS_VARLEN", varlen)),
+        num_warps=4, num_stages=1)
+
+    def grad_strides(name, shape):
+        s = _contiguous(shape)
+        return _seq_strides(s, varlen)
+
+    q_shape = (shapes.total_q, shapes.heads_q, shapes.head_dim) if varlen else \
+        (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim)
+    k_shape = (shapes.total_k, shapes.heads_kv, shapes.head_dim) if varlen else \
+        (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
+    v_shape = k_shape[:-1] + (shapes.head_dim_v,)
+    dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
+    dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
+
+    t = config.bwd_dkdv
+    dkdv = Launch(
+        module="flash.backward", kernel="flash_bwd_dkdv_kernel",
+        grid=(cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1),
+        inputs=BWD_KERNEL_INPUTS,
+        scalars=scalars + tuple(zip(("stride_dkb", "stride_dks", "stride_dkh"), grad_strides("dk", k_shape)))
+        + tuple(zip(("stride_dvb", "stride_dvs", "stride_dvh"), grad_strides("dv", v_shape)))
+        + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)),
+        outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
+                 Output("dbias", dbias_shape, "float32", zeroed=True)),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
+        num_warps=t.num_warps, num_stages=t.num_stages)
+
+    t = config.bwd_dq
+    dq = Launch(
+        module="flash.backward", kernel="flash_bwd_dq_kernel",
+        grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
+        inputs=BWD_KERNEL_INPUTS,
+        scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape))),
+        outputs=(Output("dquery", q_shape, "like:query"),),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
+
+
+def plan_dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_prob: float,
+                      dropout_seed: int) -> Launch:
+    block = 32
+    return Launch(
+        module="flash.backward", kernel="dropout_mask_kernel",
+        grid=(cdiv(seqlen_q, block), batch * heads, 1), inputs=(),
+        scalars=(("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("num_heads", heads),
+                 ("dropout_seed", as_int32(dropout_seed)),
+                 ("dropout_threshold", int(round(dropout_prob * (1 << 24))))),
+        outputs=(Output("keep", (batch, heads, seqlen_q, seqlen_k), "int8"),),
+        constexprs=(("BLOCK_M", block), ("BLOCK_N", block)), num_warps=4, num_stages=1)
+
+
+def dbias_sum_dims(shapes: FlashShapes) -> Tuple[int, ...]:
+    """Axes of the full (B, Hq, Sq, Sk) dbias to sum so it matches a broadcast bias."""
+    return tuple(d for d, bcast in ((0, shapes.bias_bcast_batch), (1, shapes.heads_q != 1 and shapes.bias_bcast_head))
+                 if bcast)
+
+
+def dsinks_partial_view(shapes: FlashShapes, plan: "BackwardPlan") -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(shape to view the partial dsinks as, axes to sum) giving (Hq, n), or (n,) for shared sinks."""
+    n_blocks = plan.dsinks_blocks // (shapes.batch * shapes.heads_q)
+    view = (shapes.batch, shapes.heads_q, n_blocks, max(1, shapes.num_sinks))
+    return view, ((0, 2) if shapes.sinks_per_head else (0, 1, 2))

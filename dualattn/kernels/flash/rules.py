@@ -1,0 +1,179 @@
+"""Triton helpers that define what attention computes: masks, band ranges, logits, dropout.
+
+Every kernel (flash forward/backward, and the later block-sparse, ring and NSA kernels)
+calls these, so the rules exist once.  Their jnp twin is dualattn/jax_api/mask.py.
+
+Positions: query row i sits at qpos = i + diag, key column j at kpos = j, where
+diag = (Sk - Sq) + diag_shift (bottom-right alignment; ring attention shifts it).
+Row i may attend column j iff  -window_left <= j - i - diag <= window_right.
+Scores live in log2 units inside the kernels (exp2 is the fast path).
+"""
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def band_range(t0, fixed_limit, other_limit, offset, lo_width, hi_width,
+               T: tl.constexpr, U: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
+    """Tiles of the other axis that a fixed tile [t0, t0+T) touches, split by masking need.
+
+    The other axis index u is allowed for fixed index t iff
+        t + offset - lo_width <= u <= t + offset + hi_width  and 0 <= u < other_limit.
+    Returns (start, full_start, full_end, end): iterate [start, full_start) and
+    [full_end, end) with the position mask, [full_start, full_end) without it.  Tiles
+    entirely outside the band are never visited.  All divisions act on values >= 0
+    (C and Python disagree on negative floor division).
+    """
+    start = 0
+    end = other_limit
+    if HAS_LO:
+        start = tl.maximum(t0 + offset - lo_width, 0)
+        start = (start // U) * U
+    if HAS_HI:
+        end = tl.minimum(t0 + T + offset + hi_width, other_limit)
+    end = tl.maximum(end, start)
+    # A tile u0 needs no position mask iff every pair of the two tiles is in the band
+    # and both tiles lie inside their sequences.
+    full_start = start
+    if HAS_LO:
+        first_full = tl.maximum(t0 + T - 1 + offset - lo_width, 0)
+        full_start = tl.maximum(((first_full + U - 1) // U) * U, start)
+    full_start = tl.minimum(full_start, end)
+    last_full = other_limit - U
+    if HAS_HI:
+        last_full = tl.minimum(last_full, t0 + offset + hi_width - U + 1)
+    full_end = tl.where(last_full >= 0, (tl.maximum(last_full, 0) // U + 1) * U, 0)
+    full_end = tl.where(t0 + T <= fixed_limit, full_end, 0)
+    full_end = tl.minimum(tl.maximum(full_end, full_start), end)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles for the query tile at m0 (forward and dQ)."""
+    return band_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                      BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+
+@triton.jit
+def query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles for the key tile at n0 (dK/dV): the same band seen from the key side."""
+    return band_range(n0, seqlen_k, seqlen_q, -diag, window_right, window_left,
+                      BLOCK_N, BLOCK_M, HAS_RIGHT, HAS_LEFT)
+
+
+@triton.jit
+def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
+              q_seg, MASK_ROW, k_seg, mask_stride_s,
+              POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_SEGMENTS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] boolean: may row offs_m attend column offs_n.
+
+    POSITIONAL=False is the fast path for tiles that band_range proved full; segment ids
+    and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].
+    """
+    ok = tl.full((offs_m.shape[0], offs_n.shape[0]), 1, tl.int1)
+    if POSITIONAL:
+        ok = ok & (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        d = offs_n[None, :] - offs_m[:, None] - diag
+        if HAS_LEFT:
+            ok = ok & (d >= -window_left)
+        if HAS_RIGHT:
+            ok = ok & (d <= window_right)
+    if HAS_SEGMENTS:
+        ok = ok & (q_seg[:, None] == k_seg[None, :])
+    if HAS_MASK:
+        in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        user = tl.load(MASK_ROW + offs_m[:, None].to(tl.int64) * mask_stride_s + offs_n[None, :],
+                       mask=in_bounds, other=0)
+        ok = ok & (user != 0)
+    return ok
+
+
+@triton.jit
+def tanh(x):
+    # Portable (interpreter, sm_80, sm_90): no libdevice.  Saturates cleanly at +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def logits(qk, bias, sm_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Scores in log2 units: ((qk * scale + bias) -> cap * tanh(. / cap)) * log2(e)."""
+    if HAS_BIAS or HAS_SOFTCAP:
+        s = qk * sm_scale
+        if HAS_BIAS:
+            s = s + bias
+        if HAS_SOFTCAP:
+            s = softcap * tanh(s / softcap)
+        s = s * LOG2E
+    else:
+        s = qk * (sm_scale * LOG2E)
+    return s
+
+
+@triton.jit
+def mix32(x):
+    """lowbias32 finaliser; x is uint32 and all arithmetic wraps."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def dropout_row_hash(seed, batch_head, offs_m):
+    """Per-row part of the dropout hash: mix(mix(seed ^ bh * 0x27D4EB2F) ^ i)."""
+    h = seed.to(tl.uint32, bitcast=True) ^ (batch_head.to(tl.uint32) * 0x27D4EB2F)
+    h = mix32(h)
+    return mix32(h ^ offs_m.to(tl.uint32))
+
+
+@triton.jit
+def dropout_keep(row_hash, offs_n, threshold):
+    """[BLOCK_M, BLOCK_N] keep-mask: a pure function of (seed, b*H + h, i, j), any launcher."""
+    h = mix32(row_hash[:, None] ^ offs_n.to(tl.uint32)[None, :])
+    return (h >> 8) >= threshold.to(tl.uint32)
+
+
+@triton.jit
+def load_tile(ptrs, offs_r, row_limit, offs_c, col_limit, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a [R, C] tile, predicating only the dimensions that can run out of bounds."""
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=(offs_r[:, None] < row_limit) & (offs_c[None, :] < col_limit), other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=offs_r[:, None] < row_limit, other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=offs_c[None, :] < col_limit, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+# Reductions through tl.reduce with our own combine functions: triton.language's sum/max
+# are @jit library functions that the per-launch interpreter (kernels/_interpret.py) cannot
+# call, while tl.reduce is a builtin.  The GPU code is the same as tl.sum / tl.max.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _max)

@@ -1,0 +1,58 @@
+"""A framework-neutral description of one Triton launch.
+
+Both front ends consume the same `Launch`: torch calls `kernel[grid](...)`, JAX calls
+`jax_triton.triton_call(...)` (or runs the interpreted kernel in a pure_callback).  Array
+arguments come first, then scalars, then outputs, then constexprs — the order
+jax-triton requires — so one launch plan compiles the identical kernel variant in both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str            # "float32", "bfloat16", ... or "like:<input name>"
+    zeroed: bool = False  # must be zero-filled before the launch (accumulated / sparse writes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    module: str                              # e.g. "flash.forward" under dualattn.kernels
+    kernel: str                              # attribute name of the @triton.jit function
+    grid: Tuple[int, int, int]
+    inputs: Tuple[str, ...]                  # array arguments, in signature order
+    scalars: Tuple[Tuple[str, object], ...]  # (name, python int/float), in signature order
+    outputs: Tuple[Output, ...]
+    constexprs: Tuple[Tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+
+    @property
+    def constexpr_dict(self) -> dict:
+        return dict(self.constexprs)
+
+
+def row_major_strides(shape) -> Tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= int(s)
+    return tuple(reversed(strides))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def as_int32(seed: Optional[int]) -> int:
+    """Reinterpret any python int as the int32 whose bits are seed mod 2**32."""
+    s = int(seed or 0) & 0xFFFFFFFF
+    return s - (1 << 32) if s >= (1 << 31) else s

@@ -1,0 +1,5 @@
+"""PyTorch front end: torch.library ops + autograd over the shared Triton kernels."""
+from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func,  # noqa: F401
+                    scaled_dot_product_attention)
+
+__all__ = ["flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention", "dropout_keep_mask"]

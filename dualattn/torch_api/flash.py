@@ -1,0 +1,344 @@
+"""PyTorch front end of the shared flash kernels.
+
+Layers, thin on purpose:
+  flash_attention / flash_attn_varlen_func / scaled_dot_product_attention  (public; validate)
+    -> torch.ops.dualattn.flash_fwd / flash_bwd   (torch.library custom ops + fake impls, so
+       torch.compile(fullgraph=True) traces them; autograd registered on the forward op)
+      -> kernels.flash.plan (launch plans shared with JAX) -> _launch.run (compiled or interpreted)
+Static options cross the custom-op boundary as primitive fields of FlashOptions.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..kernels.flash import plan as flash_plan
+from ..options import FlashOptions
+from ..validation import check_dropout, check_flash_args
+from . import _launch
+
+Tensor = torch.Tensor
+
+_NONE = -1  # window side / sentinel for "unbounded" at the custom-op boundary
+
+
+def _options(softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
+             dropout_prob: float) -> FlashOptions:
+    return FlashOptions(softmax_scale=softmax_scale,
+                        window_left=None if window_left == _NONE else window_left,
+                        window_right=None if window_right == _NONE else window_right,
+                        logits_soft_cap=None if logits_soft_cap == 0.0 else logits_soft_cap,
+                        dropout_prob=dropout_prob)
+
+
+def _strides(arrays: dict) -> dict:
+    return {name: tuple(t.stride()) for name, t in arrays.items() if t is not None}
+
+
+def _cpu_upcast(t: Optional[Tensor]) -> Optional[Tensor]:
+    # Triton's interpreter computes bf16 on raw integers (PLATFORM.md): upcast on CPU only.
+    if t is not None and t.device.type == "cpu" and t.dtype == torch.bfloat16:
+        return t.float()
+    return t
+
+
+def _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+            cu_seqlens_q, cu_seqlens_k) -> dict:
+    return {"query": _cpu_upcast(query), "key": _cpu_upcast(key), "value": _cpu_upcast(value),
+            "bias": _cpu_upcast(bias), "attention_mask": attention_mask, "q_segment_ids": q_segment_ids,
+            "kv_segment_ids": kv_segment_ids, "softmax_aux": softmax_aux,
+            "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+
+
+def _shapes(a: dict, max_seqlen_q: int, max_seqlen_k: int):
+    varlen = a["cu_seqlens_q"] is not None
+    return check_flash_args(a["query"], a["key"], a["value"], bias=a["bias"], attention_mask=a["attention_mask"],
+                            q_segment_ids=a["q_segment_ids"], kv_segment_ids=a["kv_segment_ids"],
+                            softmax_aux=a["softmax_aux"], cu_seqlens_q=a["cu_seqlens_q"],
+                            cu_seqlens_k=a["cu_seqlens_k"], max_seqlen_q=max_seqlen_q if varlen else None,
+                            max_seqlen_k=max_seqlen_k if varlen else None)
+
+
+def _config(shapes, device):
+    if device.type == "cpu":
+        return flash_plan.default_config(shapes, interpret=True)
+    major, minor = torch.cuda.get_device_capability(device)
+    return flash_plan.default_config(shapes, interpret=False, arch=major * 10 + minor)
+
+
+@torch.library.custom_op("dualattn::flash_fwd", mutates_args=(), device_types=("cpu", "cuda"))
+def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor], attention_mask: Optional[Tensor],
+              q_segment_ids: Optional[Tensor], kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor],
+              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+              softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
+              dropout_prob: float, dropout_seed: int, diag_shift: int) -> Tuple[Tensor, Tensor]:
+    """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
+    a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+                cu_seqlens_q, cu_seqlens_k)
+    shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
+    options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
+    out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
+    launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}),
+                                     config=_config(shapes, query.device), dropout_seed=dropout_seed,
+                                     diag_shift=diag_shift)
+    res = _launch.run(launch, a, outputs={"out": out})
+    return res["out"].to(query.dtype), res["lse"]
+
+
+@flash_fwd.register_fake
+def _(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, cu_seqlens_q,
+      cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, logits_soft_cap,
+      dropout_prob, dropout_seed, diag_shift):
+    shapes = _shapes(_inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+                             cu_seqlens_q, cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    lse_shape = (shapes.heads_q, shapes.total_q) if shapes.varlen else (shapes.batch, shapes.heads_q,
+                                                                        shapes.seqlen_q)
+    return (query.new_empty(flash_plan.out_shape(shapes)),
+            query.new_empty(lse_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("dualattn::flash_bwd", mutates_args=(), device_types=("cpu", "cuda"))
+def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor,
+              bias: Optional[Tensor], attention_mask: Optional[Tensor], q_segment_ids: Optional[Tensor],
+              kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+              window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
+              dropout_seed: int, diag_shift: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads."""
+    a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+                cu_seqlens_q, cu_seqlens_k)
+    shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
+    options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
+    work_dtype = a["query"].dtype
+    out = _cpu_upcast(out).contiguous()
+    # dO is read with O's strides (both contiguous BSHD / packed).
+    dout = _cpu_upcast(dout).to(work_dtype).contiguous()
+    a.update(out=out, dout=dout, lse=lse.contiguous())
+    plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}),
+                                    config=_config(shapes, query.device), dropout_seed=dropout_seed,
+                                    diag_shift=diag_shift)
+    pre = _launch.run(plan.preprocess, a)
+    a["delta"] = pre["delta"]
+    grads = _launch.run(plan.dkdv, a)
+    grads.update(_launch.run(plan.dq, a))
+    dbias = grads["dbias"]
+    if bias is not None:
+        dims = flash_plan.dbias_sum_dims(shapes)
+        dbias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).to(bias.dtype)
+    else:
+        dbias = query.new_empty((0,))
+    if softmax_aux is not None:
+        view, dims = flash_plan.dsinks_partial_view(shapes, plan)
+        dsinks = pre["dsinks_partial"].view(view).sum(dim=dims).reshape(softmax_aux.shape).to(softmax_aux.dtype)
+    else:
+        dsinks = query.new_empty((0,))
+    return (grads["dquery"].to(query.dtype), grads["dkey"].to(key.dtype), grads["dvalue"].to(value.dtype),
+            dbias, dsinks)
+
+
+@flash_bwd.register_fake
+def _(dout, out, lse, query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+      cu_seqlens_q, cu_seqlens_k, *static):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            torch.empty_like(bias) if bias is not None else query.new_empty((0,)),
+            torch.empty_like(softmax_aux) if softmax_aux is not None else query.new_empty((0,)))
+
+
+_TENSOR_ARGS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
+                "softmax_aux", "cu_seqlens_q", "cu_seqlens_k")
+_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
+                "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift")
+
+
+def _setup_context(ctx, inputs, output):
+    named = dict(zip(_TENSOR_ARGS + _STATIC_ARGS, inputs))
+    out, lse = output
+    ctx.save_for_backward(out, lse, *(named[n] for n in _TENSOR_ARGS))
+    ctx.static = tuple(named[n] for n in _STATIC_ARGS)
+
+
+def _backward(ctx, dout, dlse):
+    out, lse, *tensors = ctx.saved_tensors
+    named = dict(zip(_TENSOR_ARGS, tensors))
+    dq, dk, dv, dbias, dsinks = flash_bwd(dout, out, lse, *tensors, *ctx.static)
+    grads = {"query": dq, "key": dk, "value": dv,
+             "bias": dbias if named["bias"] is not None else None,
+             "softmax_aux": dsinks if named["softmax_aux"] is not None else None}
+    return tuple(grads.get(n) for n in _TENSOR_ARGS) + (None,) * len(_STATIC_ARGS)
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def _check_devices(**tensors):
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    ref = devices.get("query")
+    for name, dev in devices.items():
+        if dev != ref:
+            raise ValueError(f"{name} is on {dev} but query is on {ref}: all tensors must share one device")
+    if ref is not None and ref.type not in ("cpu", "cuda"):
+        raise ValueError(f"query is on {ref}: dualattn runs on CUDA GPUs and (interpreted) on CPU")
+
+
+def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    # Kernels take element strides for every dim but the last, which must be dense.
+    if t is None or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux):
+    query, key, value, bias = map(_last_dim_contiguous, (query, key, value, bias))
+    if attention_mask is not None:
+        attention_mask = _last_dim_contiguous(attention_mask.to(torch.int8) if attention_mask.dtype != torch.int8
+                                              else attention_mask)
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
+        kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        q_segment_ids = q_segment_ids.to(torch.int32).contiguous()
+        kv_segment_ids = kv_segment_ids.to(torch.int32).contiguous()
+    if softmax_aux is not None:
+        softmax_aux = softmax_aux.contiguous()
+    return query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux
+
+
+def _resolve_seed(dropout_prob: float, dropout_seed: Optional[int]) -> int:
+    if dropout_prob == 0.0:
+        return 0
+    if dropout_seed is None:
+        # A fresh mask per call, reproducible under torch.manual_seed.
+        return int(torch.randint(0, 2 ** 31 - 1, (), device="cpu").item())
+    return int(dropout_seed)
+
+
+def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux,
+          q_segment_ids, kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse,
+          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_devices(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    check_dropout(dropout_prob, dropout_seed)
+    shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                 dropout_prob=dropout_prob)
+    (query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids,
+     softmax_aux) = _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux)
+    out, lse = flash_fwd(
+        query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+        cu_seqlens_q, cu_seqlens_k, shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
+        _NONE if options.window_left is None else options.window_left,
+        _NONE if options.window_right is None else options.window_right,
+        options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
+        int(diag_shift))
+    return (out, lse) if return_lse else out
+
+
+def flash_attention(query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: Optional[float] = None,
+                    causal: bool = False, sliding_window=None, logits_soft_cap: Optional[float] = None,
+                    softmax_aux: Optional[Tensor] = None, q_segment_ids: Optional[Tensor] = None,
+                    kv_segment_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                    bias: Optional[Tensor] = None, dropout_prob: float = 0.0, dropout_seed: Optional[int] = None,
+                    return_lse: bool = False):
+    """Flash attention over BSHD tensors, forward and backward through the shared Triton kernels.
+
+    Args:
+        query: (B, Sq, Hq, D); key: (B, Sk, Hkv, D); value: (B, Sk, Hkv, Dv). fp16, bf16 or fp32;
+            Hq a multiple of Hkv (GQA/MQA); D, Dv in [16, 256]. Any strides with a dense last dim.
+        softmax_scale: defaults to D ** -0.5.
+        causal: query i attends key j iff j <= i + (Sk - Sq) (bottom-right aligned)::
+
+                Sq=2, Sk=5, causal       Sq=5, Sk=2, causal (rows 0-2 see nothing -> 0)
+                  1 1 1 1 0                0 0
+                  1 1 1 1 1                0 0
+                                           0 0
+                                           1 0
+                                           1 1
+        sliding_window: int w or (left, right): i + (Sk-Sq) - left <= j <= i + (Sk-Sq) + right.
+        logits_soft_cap: scores -> cap * tanh(scores / cap) (after scale and bias).
+        softmax_aux: attention sinks, (Hq, n), (Hq,) or shared (n,); differentiable.
+        q_segment_ids, kv_segment_ids: int (B, Sq) / (B, Sk); attend only within equal ids.
+        attention_mask: bool/int (B|1, Hq|1, Sq, Sk), True = may attend.
+        bias: float (B|1, Hq|1, Sq, Sk), added after scaling; differentiable.
+        dropout_prob, dropout_seed: dropout on the probabilities; the mask is a pure function of
+            (seed, b, h, i, j). seed None draws one from torch's default generator.
+        return_lse: also return the float32 log-sum-exp (B, Hq, Sq).
+
+    Returns:
+        out (B, Sq, Hq, Dv) in query's dtype, or (out, lse). Fully masked rows give 0 (lse -inf).
+    """
+    return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
+                 logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids, attention_mask=attention_mask, bias=bias,
+                 dropout_prob=dropout_prob, dropout_seed=dropout_seed, return_lse=return_lse)
+
+
+def flash_attn_varlen_func(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: Optional[float] = None,
+                           causal: bool = False, sliding_window=None, logits_soft_cap: Optional[float] = None,
+                           softmax_aux: Optional[Tensor] = None, dropout_prob: float = 0.0,
+                           dropout_seed: Optional[int] = None, return_lse: bool = False):
+    """Packed variable-length attention, as flash-attn's flash_attn_varlen_func.
+
+    query (total_q, Hq, D), key/value (total_k, Hkv, D/Dv); cu_seqlens_* int32 (n_seqs + 1,)
+    cumulative lengths. Each sequence is attended independently, with its own bottom-right
+    causal alignment. Returns out (total_q, Hq, Dv) [and lse (Hq, total_q)].
+    """
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
+                 logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=None,
+                 kv_segment_ids=None, attention_mask=None, bias=None, dropout_prob=dropout_prob,
+                 dropout_seed=dropout_seed, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention (BHSD layout).
+
+    attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
+    (B, H, Sq, Sk). is_causal here is top-left aligned like torch's (equal for Sq == Sk).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (batch, heads, seq_len, head_dim) tensor")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal cannot both be set (as in torch's SDPA)")
+    b, hq, sq, _ = query.shape
+    hkv, sk = key.shape[1], key.shape[2]
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"query heads {hq} != key heads {hkv}: pass enable_gqa=True for GQA")
+    bias = mask = None
+    if attn_mask is not None:
+        while attn_mask.dim() < 4:
+            attn_mask = attn_mask.unsqueeze(0)
+        attn_mask = attn_mask.expand(attn_mask.shape[0], attn_mask.shape[1], sq, sk)
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            bias = attn_mask.to(query.dtype)
+    # torch's is_causal is top-left aligned: shift our bottom-right diagonal by Sq - Sk.
+    out = _call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
+                causal=is_causal, sliding_window=None, logits_soft_cap=None, softmax_aux=None,
+                q_segment_ids=None, kv_segment_ids=None, attention_mask=mask, bias=bias, dropout_prob=dropout_p,
+                dropout_seed=None, return_lse=False, diag_shift=(sq - sk) if is_causal else 0)
+    return out.transpose(1, 2)
+
+
+def dropout_keep_mask(seed: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_prob: float,
+                      device="cpu") -> Tensor:
+    """The boolean (B, H, Sq, Sk) keep-mask the kernels draw for this seed (for tests and debugging)."""
+    launch = flash_plan.plan_dropout_mask(batch, heads, seqlen_q, seqlen_k, dropout_prob, seed)
+    return _launch.run(launch, {}, device=device)["keep"].bool()

@@ -1,0 +1,186 @@
+"""Argument checking shared by the torch and JAX front ends.
+
+Works on anything with `.shape` and `.dtype` (torch tensors, jax arrays and tracers,
+numpy arrays), so both frameworks raise the same `ValueError`/`TypeError`, naming the
+argument and the expected shape, before any kernel launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def dtype_name(x: Any) -> str:
+    """'bfloat16' for torch.bfloat16, jnp.bfloat16, np.dtype('bfloat16') alike."""
+    return str(getattr(x, "dtype", x)).replace("torch.", "")
+
+
+def _shape(x) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashShapes:
+    """Problem sizes of one flash_attention call, as the kernels and launch plans see them.
+
+    For varlen calls `batch` is the number of sequences, `seqlen_q`/`seqlen_k` are the
+    max_seqlen bounds and `total_q`/`total_k` the packed token counts.
+    """
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+    num_sinks: int = 0
+    sinks_per_head: bool = False   # softmax_aux is (Hq, n) or (Hq,), not shared by all heads
+    has_bias: bool = False
+    bias_bcast_batch: bool = False
+    bias_bcast_head: bool = False
+    has_mask: bool = False
+    mask_bcast_batch: bool = False
+    mask_bcast_head: bool = False
+    has_segments: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def _check_float(name, x, dtype=None):
+    d = dtype_name(x)
+    if d not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {d}")
+    if dtype is not None and d != dtype:
+        raise TypeError(f"{name} dtype {d} must match query dtype {dtype}")
+
+
+def _check_4d_map(name, x, batch, heads, sq, sk):
+    shape = _shape(x)
+    ok = (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads)
+          and shape[2] == sq and shape[3] == sk)
+    if not ok:
+        raise ValueError(f"{name} must have shape ({batch} or 1, {heads} or 1, {sq}, {sk}), got {shape}")
+    return shape
+
+
+def check_flash_args(query, key, value, *, bias=None, attention_mask=None, q_segment_ids=None,
+                     kv_segment_ids=None, softmax_aux=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> FlashShapes:
+    """Validate the tensors of a flash_attention call and return its sizes.
+
+    Dense: query (B, Sq, Hq, D), key (B, Sk, Hkv, D), value (B, Sk, Hkv, Dv).
+    Varlen (cu_seqlens given): query (total_q, Hq, D), key/value (total_k, Hkv, D/Dv).
+    """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    rank = 3 if varlen else 4
+    layout = "(total, heads, head_dim)" if varlen else "(batch, seq_len, heads, head_dim)"
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if len(x.shape) != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {_shape(x)}")
+    _check_float("query", query)
+    dtype = dtype_name(query)
+    _check_float("key", key, dtype)
+    _check_float("value", value, dtype)
+    qs, ks, vs = _shape(query), _shape(key), _shape(value)
+    hq, d = qs[-2], qs[-1]
+    hkv, dk = ks[-2], ks[-1]
+    if ks[:-1] != vs[:-1]:
+        raise ValueError(f"key {ks} and value {vs} must agree in all but the last dimension")
+    if dk != d:
+        raise ValueError(f"key head_dim {dk} must equal query head_dim {d}")
+    dv = vs[-1]
+    for name, dim in (("query/key head_dim", d), ("value head_dim", dv)):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {dim}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv} (GQA/MQA)")
+
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if len(cu.shape) != 1 or cu.shape[0] < 2:
+                raise ValueError(f"{name} must be 1-D (n_seqs + 1,), got shape {_shape(cu)}")
+            if dtype_name(cu) != "int32":
+                raise TypeError(f"{name} must be int32, got {dtype_name(cu)}")
+        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+            raise ValueError(f"cu_seqlens_q {_shape(cu_seqlens_q)} and cu_seqlens_k {_shape(cu_seqlens_k)} "
+                             "must have the same length (n_seqs + 1)")
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if m is None or int(m) < 1:
+                raise ValueError(f"{name} must be a positive int for varlen inputs, got {m!r}")
+        for name, x in (("bias", bias), ("attention_mask", attention_mask),
+                        ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+            if x is not None:
+                raise ValueError(f"{name} is not supported with varlen (cu_seqlens) inputs")
+        batch, sq, sk = int(cu_seqlens_q.shape[0]) - 1, int(max_seqlen_q), int(max_seqlen_k)
+        total_q, total_k = qs[0], ks[0]
+    else:
+        if max_seqlen_q is not None or max_seqlen_k is not None:
+            raise ValueError("max_seqlen_q/max_seqlen_k are only meaningful with cu_seqlens_q/cu_seqlens_k")
+        batch, sq, sk = qs[0], qs[1], ks[1]
+        if ks[0] != batch:
+            raise ValueError(f"key batch {ks[0]} must equal query batch {batch}")
+        total_q = total_k = 0
+
+    info = dict(batch=batch, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_kv=hkv, head_dim=d,
+                head_dim_v=dv, dtype=dtype, varlen=varlen, total_q=total_q, total_k=total_k)
+
+    if bias is not None:
+        _check_float("bias", bias)
+        bs = _check_4d_map("bias", bias, batch, hq, sq, sk)
+        info.update(has_bias=True, bias_bcast_batch=bs[0] == 1 and batch != 1,
+                    bias_bcast_head=bs[1] == 1 and hq != 1)
+    if attention_mask is not None:
+        md = dtype_name(attention_mask)
+        if md != "bool" and md not in INT_DTYPES:
+            raise TypeError(f"attention_mask must be bool or an integer dtype, got {md}")
+        ms = _check_4d_map("attention_mask", attention_mask, batch, hq, sq, sk)
+        info.update(has_mask=True, mask_bcast_batch=ms[0] == 1 and batch != 1,
+                    mask_bcast_head=ms[1] == 1 and hq != 1)
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        if q_segment_ids is None or kv_segment_ids is None:
+            if sq != sk:
+                raise ValueError("q_segment_ids and kv_segment_ids must both be given when Sq != Sk "
+                                 f"(Sq={sq}, Sk={sk})")
+        for name, ids, s in (("q_segment_ids", q_segment_ids, sq), ("kv_segment_ids", kv_segment_ids, sk)):
+            if ids is None:
+                continue
+            if dtype_name(ids) not in INT_DTYPES:
+                raise TypeError(f"{name} must be an integer array, got {dtype_name(ids)}")
+            if _shape(ids) != (batch, s):
+                raise ValueError(f"{name} must have shape ({batch}, {s}), got {_shape(ids)}")
+        info.update(has_segments=True)
+    if softmax_aux is not None:
+        _check_float("softmax_aux", softmax_aux)
+        ss = _shape(softmax_aux)
+        if len(ss) == 2:
+            if ss[0] != hq or ss[1] < 1:
+                raise ValueError(f"softmax_aux must have shape ({hq}, n), ({hq},) or (n,), got {ss}")
+            info.update(num_sinks=ss[1], sinks_per_head=True)
+        elif len(ss) == 1 and ss[0] >= 1:
+            per_head = ss[0] == hq
+            info.update(num_sinks=1 if per_head else ss[0], sinks_per_head=per_head)
+        else:
+            raise ValueError(f"softmax_aux must have shape ({hq}, n), ({hq},) or (n,), got {ss}")
+    return FlashShapes(**info)
+
+
+def check_dropout(dropout_prob, dropout_seed):
+    if not 0.0 <= float(dropout_prob) < 1.0:
+        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
+    if dropout_seed is not None and not isinstance(dropout_seed, int):
+        # jax may pass a traced/array seed; only python ints are validated here.
+        if not hasattr(dropout_seed, "shape"):
+            raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}")
