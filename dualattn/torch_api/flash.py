@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..kernels.flash import plan as flash_plan
+from ..kernels.launch import as_int32
 from ..options import FlashOptions
 from ..validation import check_dropout, check_flash_args
 from . import _launch
@@ -67,6 +68,12 @@ def _config(shapes, device):
     return flash_plan.default_config(shapes, interpret=False, arch=major * 10 + minor)
 
 
+def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
+    if dropout_prob == 0.0:
+        return None
+    return torch.tensor([as_int32(dropout_seed)], dtype=torch.int32, device=device)
+
+
 @torch.library.custom_op("dualattn::flash_fwd", mutates_args=(), device_types=("cpu", "cuda"))
 def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor], attention_mask: Optional[Tensor],
               q_segment_ids: Optional[Tensor], kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor],
@@ -80,8 +87,8 @@ def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
     options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
     out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
     launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}),
-                                     config=_config(shapes, query.device), dropout_seed=dropout_seed,
-                                     diag_shift=diag_shift)
+                                     config=_config(shapes, query.device), diag_shift=diag_shift)
+    a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"]
 
@@ -116,8 +123,8 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
     dout = _cpu_upcast(dout).to(work_dtype).contiguous()
     a.update(out=out, dout=dout, lse=lse.contiguous())
     plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}),
-                                    config=_config(shapes, query.device), dropout_seed=dropout_seed,
-                                    diag_shift=diag_shift)
+                                    config=_config(shapes, query.device), diag_shift=diag_shift)
+    a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)

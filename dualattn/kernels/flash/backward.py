@@ -11,7 +11,7 @@ group, so no atomics are needed.  Tile ranges come from rules.band_range, as in 
 import triton
 import triton.language as tl
 
-from .rules import (LN2, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
+from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
                     reduce_sum, tile_mask)
 
 
@@ -128,15 +128,15 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BWD_DKDV_INTS)
 def flash_bwd_dkdv_kernel(
-    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DO, LSE, DELTA,
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED, DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb, sinks_stride_h,
     seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
-    sm_scale, softcap, dropout_seed, dropout_threshold, dropout_scale,
+    sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     dbias_stride_b, dbias_stride_h, dbias_stride_s,
     DK, DV, DBIAS,
@@ -151,11 +151,10 @@ def flash_bwd_dkdv_kernel(
     num_heads_kv = num_heads_q // group_size
     b = pid_bh // num_heads_kv
     h_kv = pid_bh % num_heads_kv
-    if STRIDES_ALIGNED:
-        stride_qs = tl.multiple_of(stride_qs, 16)
-        stride_ks = tl.multiple_of(stride_ks, 16)
-        stride_vs = tl.multiple_of(stride_vs, 16)
-        stride_os = tl.multiple_of(stride_os, 16)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, STRIDES_ALIGNED), aligned(stride_os, STRIDES_ALIGNED), aligned(stride_oh, STRIDES_ALIGNED)
     q_start = 0
     k_start = 0
     if IS_VARLEN:
@@ -167,6 +166,9 @@ def flash_bwd_dkdv_kernel(
     if n0 >= seqlen_k:
         return
     diag = seqlen_k - seqlen_q + diag_shift
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DROPOUT_SEED)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -251,15 +253,15 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BWD_DQ_INTS)
 def flash_bwd_dq_kernel(
-    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DO, LSE, DELTA,
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED, DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb, sinks_stride_h,
     seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
-    sm_scale, softcap, dropout_seed, dropout_threshold, dropout_scale,
+    sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dqb, stride_dqs, stride_dqh,
     DQ,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -273,11 +275,10 @@ def flash_bwd_dq_kernel(
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
     h_kv = h // group_size
-    if STRIDES_ALIGNED:
-        stride_qs = tl.multiple_of(stride_qs, 16)
-        stride_ks = tl.multiple_of(stride_ks, 16)
-        stride_vs = tl.multiple_of(stride_vs, 16)
-        stride_os = tl.multiple_of(stride_os, 16)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, STRIDES_ALIGNED), aligned(stride_os, STRIDES_ALIGNED), aligned(stride_oh, STRIDES_ALIGNED)
     q_start = 0
     k_start = 0
     if IS_VARLEN:
@@ -307,7 +308,7 @@ def flash_bwd_dq_kernel(
         q_seg = tl.load(QSEG + b64 * seg_stride_qb + offs_m, mask=offs_m < seqlen_q, other=-2)
     row_hash = 0
     if HAS_DROPOUT:
-        row_hash = dropout_row_hash(dropout_seed, pid_bh, offs_m)
+        row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
     K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
     V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
     BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h

@@ -9,7 +9,7 @@ Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 import triton
 import triton.language as tl
 
-from .rules import LN2, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, reduce_max, reduce_sum, tile_mask
+from .rules import FWD_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, reduce_max, reduce_sum, tile_mask
 
 
 @triton.jit
@@ -63,15 +63,15 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FWD_INTS)
 def flash_fwd_kernel(
-    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb, sinks_stride_h,
     seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
-    sm_scale, softcap, dropout_seed, dropout_threshold, dropout_scale,
+    sm_scale, softcap, dropout_threshold, dropout_scale,
     O, LSE,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
@@ -84,12 +84,11 @@ def flash_fwd_kernel(
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
     h_kv = h // group_size
-    if STRIDES_ALIGNED:
-        # The launch plan checked these; both torch and jax launches compile the same hints.
-        stride_qs = tl.multiple_of(stride_qs, 16)
-        stride_ks = tl.multiple_of(stride_ks, 16)
-        stride_vs = tl.multiple_of(stride_vs, 16)
-        stride_os = tl.multiple_of(stride_os, 16)
+    # The launch plan checked these; torch and jax launches compile the same hints.
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, STRIDES_ALIGNED), aligned(stride_os, STRIDES_ALIGNED), aligned(stride_oh, STRIDES_ALIGNED)
     q_start = 0
     k_start = 0
     if IS_VARLEN:
@@ -120,7 +119,8 @@ def flash_fwd_kernel(
         q_seg = tl.load(QSEG + b64 * seg_stride_qb + offs_m, mask=offs_m < seqlen_q, other=-2)
     row_hash = 0
     if HAS_DROPOUT:
-        row_hash = dropout_row_hash(dropout_seed, pid_bh, offs_m)
+        # The seed is read from memory so JAX can pass a traced value.
+        row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
 
     # Sinks join every row's denominator: start the online softmax from them.
     if NUM_SINKS > 0:

@@ -14,7 +14,7 @@ from ...validation import FlashShapes
 from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
 
 FWD_INPUTS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
-              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k")
+              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed")
 BWD_INPUTS = FWD_INPUTS + ("out", "dout", "lse", "delta")
 
 
@@ -71,7 +71,7 @@ def _seq_strides(strides: Tuple[int, ...], varlen: bool) -> Tuple[int, int, int]
 
 
 def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]],
-                    dropout_seed: Optional[int], diag_shift: int):
+                    diag_shift: int):
     varlen = shapes.varlen
     qb, qs, qh = _seq_strides(strides["query"], varlen)
     kb, ks, kh = _seq_strides(strides["key"], varlen)
@@ -108,12 +108,11 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("num_heads_q", shapes.heads_q), ("group_size", shapes.group_size), ("diag_shift", int(diag_shift)),
         ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
         ("sm_scale", float(options.softmax_scale)), ("softcap", float(options.logits_soft_cap or 1.0)),
-        ("dropout_seed", as_int32(dropout_seed)),
         ("dropout_threshold", int(round(p * (1 << 24)))),
         ("dropout_scale", 1.0 / (1.0 - p)),
     )
-    seq_strides = (qs, ks, vs, os_)
-    aligned = all(s % 16 == 0 for s in seq_strides)
+    # Every q/k/v/o stride divisible by 16 elements lets the kernels vectorise row loads.
+    aligned = all(s % 16 == 0 for s in (qb, qs, qh, kb, ks, kh, vb, vs, vh, ob, os_, oh))
     constexprs = (
         ("HEAD_DIM", shapes.head_dim), ("HEAD_DIM_V", shapes.head_dim_v),
         ("BLOCK_D", max(16, next_pow2(shapes.head_dim))), ("BLOCK_DV", max(16, next_pow2(shapes.head_dim_v))),
@@ -140,9 +139,12 @@ def out_shape(shapes: FlashShapes):
 
 
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
-                 config: FlashConfig, dropout_seed: Optional[int] = None, diag_shift: int = 0) -> Launch:
-    """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'."""
-    scalars, constexprs = _common_scalars(shapes, options, strides, dropout_seed, diag_shift)
+                 config: FlashConfig, diag_shift: int = 0) -> Launch:
+    """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
+
+    The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
+    """
+    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift)
     t = config.fwd
     return Launch(
         module="flash.forward", kernel="flash_fwd_kernel",
@@ -165,9 +167,9 @@ class BackwardPlan:
 
 
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
-                  config: FlashConfig, dropout_seed: Optional[int] = None, diag_shift: int = 0) -> BackwardPlan:
+                  config: FlashConfig, diag_shift: int = 0) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout)."""
-    scalars, constexprs = _common_scalars(shapes, options, strides, dropout_seed, diag_shift)
+    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift)
     scalar = dict(scalars)
     varlen = shapes.varlen
     const = dict(constexprs)

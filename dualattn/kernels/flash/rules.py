@@ -177,3 +177,28 @@ def reduce_sum(x, axis: tl.constexpr):
 @triton.jit
 def reduce_max(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _max)
+
+
+# Integer arguments are never specialised by value (divisible-by-16, == 1): jax-triton cannot
+# do it, so torch launches don't either and both compile the identical kernel variant.  The
+# launch plan proves stride alignment instead and the kernels state it with tl.multiple_of
+# (STRIDES_ALIGNED).
+COMMON_INTS = [
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+    "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "bias_stride_b",
+    "bias_stride_h", "bias_stride_s", "mask_stride_b", "mask_stride_h", "mask_stride_s", "seg_stride_qb",
+    "seg_stride_kb", "sinks_stride_h", "seqlen_q", "seqlen_k", "num_heads_q", "group_size", "diag_shift",
+    "window_left", "window_right", "dropout_threshold",
+]
+FWD_INTS = COMMON_INTS
+BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh",
+                               "dbias_stride_b", "dbias_stride_h", "dbias_stride_s"]
+BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh"]
+
+
+@triton.jit
+def aligned(stride, ALIGNED: tl.constexpr):
+    """Declare a stride divisible by 16 elements when the launch plan proved it."""
+    if ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    return stride

@@ -1,0 +1,110 @@
+"""Run a framework-neutral `Launch` on jax arrays.
+
+GPU: `jax_triton.triton_call` on the compiled kernel (imported lazily: jax_triton refuses
+to import on a CPU-only jaxlib).  CPU: the interpreted kernel, inside `jax.pure_callback`,
+on torch views of the same buffers (DLPack, zero-copy).  Both consume the same Launch, so
+they run the same kernel variant with the same grid and tiles.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..kernels import _interpret
+from ..kernels.launch import Launch
+
+_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int32": jnp.int32,
+           "int8": jnp.int8}
+
+
+def _out_dtype(spec: str, arrays: Dict[str, jax.Array]):
+    return arrays[spec[5:]].dtype if spec.startswith("like:") else _DTYPES[spec]
+
+
+def _on_gpu(x) -> bool:
+    try:
+        return all(d.platform == "gpu" for d in x.devices())
+    except Exception:  # a tracer: ask where computations go by default
+        return jax.default_backend() == "gpu"
+
+
+def _import_jax_triton():
+    # jax_triton sets TRITON_CACHE_DIR="" on import, which breaks torch's Triton launches
+    # in the same process (PLATFORM.md pitfall 1): restore it.
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+    if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = saved
+    return jax_triton
+
+
+def _scalar(value):
+    # jax-triton types python floats as fp64 (pitfall 2): the kernels take fp32.
+    return np.float32(value) if isinstance(value, float) else int(value)
+
+
+def run(launch: Launch, arrays: Dict[str, Optional[jax.Array]]) -> Dict[str, jax.Array]:
+    """Launch with the named input arrays (absent ones get a dummy pointer); returns the outputs."""
+    return _run_sequential_vmap(launch, {n: a for n, a in arrays.items() if a is not None})
+
+
+def _run(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    first = next(iter(arrays.values()))
+    out_types = [jax.ShapeDtypeStruct(o.shape, _out_dtype(o.dtype, arrays)) for o in launch.outputs]
+    if _on_gpu(first):
+        jt = _import_jax_triton()
+        kernel = _interpret.kernel(launch.module, launch.kernel, interpret=False)
+        dummy = arrays[launch.inputs[0]] if launch.inputs[0] in arrays else first
+        args = [arrays.get(name, dummy) for name in launch.inputs] + [_scalar(v) for _, v in launch.scalars]
+        zeroed = [i for i, o in enumerate(launch.outputs) if o.zeroed]
+        outs = jt.triton_call(*args, kernel=kernel, out_shape=out_types, grid=launch.grid,
+                              num_warps=launch.num_warps, num_stages=launch.num_stages,
+                              zeroed_outputs=zeroed, **launch.constexpr_dict)
+    else:
+        names = list(arrays)
+        outs = jax.pure_callback(_HostLaunch(launch, names, [t.dtype for t in out_types]), out_types, *[arrays[n] for n in names],
+                                 vmap_method="sequential")
+    return {o.name: x for o, x in zip(launch.outputs, outs)}
+
+
+def _run_sequential_vmap(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    # Under jax.vmap the launch (fixed grid and shapes) runs once per vmapped element.
+    names = list(arrays)
+
+    @jax.custom_batching.sequential_vmap
+    def call(*values):
+        return _run(launch, dict(zip(names, values)))
+
+    return call(*[arrays[n] for n in names])
+
+
+class _HostLaunch:
+    """The pure_callback body: the interpreted kernel on torch views of the host buffers."""
+
+    def __init__(self, launch: Launch, names, out_dtypes):
+        self.launch, self.names, self.out_dtypes = launch, names, out_dtypes
+
+    def __call__(self, *values):
+        import torch
+        from ..torch_api import _launch as torch_launch
+
+        tensors = {}
+        for name, v in zip(self.names, values):
+            t = torch.from_dlpack(v) if hasattr(v, "__dlpack__") else torch.from_numpy(np.asarray(v))
+            # The interpreter computes bf16 on raw integers: upcast on the CPU path only.
+            tensors[name] = t.float() if t.dtype == torch.bfloat16 else t
+        res = torch_launch.run(self.launch, tensors)
+        outs = []
+        for o, want in zip(self.launch.outputs, self.out_dtypes):
+            t = res[o.name]
+            if want == jnp.bfloat16:
+                outs.append(t.to(torch.bfloat16).view(torch.int16).numpy().view(jnp.bfloat16))
+            else:
+                outs.append(t.numpy().astype(np.dtype(want), copy=False))
+        return tuple(outs)

@@ -1,0 +1,205 @@
+"""JAX front end of flash attention: one public function, four backends.
+
+backend="triton": jax.custom_vjp over the shared Triton kernels (dualattn/kernels/flash),
+launched with the very launch plans the torch side uses (jax-triton on GPU, the
+interpreter through pure_callback on CPU).  "xla" and "pallas" live in their folders;
+"auto" picks triton on GPU, pallas on TPU, xla elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..kernels.flash import plan as flash_plan
+from ..kernels.launch import as_int32, row_major_strides
+from ..options import FlashOptions
+from ..validation import FlashShapes, check_dropout, check_flash_args
+from . import _launch
+
+BACKENDS = ("auto", "triton", "xla", "pallas")
+_TENSORS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "softmax_aux",
+            "cu_seqlens_q", "cu_seqlens_k", "dropout_seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one call: the single nondiff argument of the custom_vjp core."""
+
+    shapes: FlashShapes
+    options: FlashOptions
+    config: flash_plan.FlashConfig
+    diag_shift: int = 0
+
+
+def _strides(arrays: dict) -> dict:
+    return {n: row_major_strides(a.shape) for n, a in arrays.items() if a is not None}
+
+
+def _forward(static: _Static, arrays: dict):
+    out_shape = flash_plan.out_shape(static.shapes)
+    launch = flash_plan.plan_forward(static.shapes, static.options,
+                                     {**_strides(arrays), "out": row_major_strides(out_shape)},
+                                     config=static.config, diag_shift=static.diag_shift)
+    res = _launch.run(launch, arrays)
+    return res["out"], res["lse"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_triton(static: _Static, arrays: dict):
+    return _forward(static, arrays)
+
+
+def _flash_triton_fwd(static: _Static, arrays: dict):
+    out, lse = _forward(static, arrays)
+    return (out, lse), (arrays, out, lse)
+
+
+def _flash_triton_bwd(static: _Static, residuals, cotangents):
+    arrays, out, lse = residuals
+    dout, _ = cotangents  # lse is returned for merging/inspection; its cotangent is not propagated
+    shapes = static.shapes
+    plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
+                                    config=static.config, diag_shift=static.diag_shift)
+    a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse)
+    pre = _launch.run(plan.preprocess, a)
+    a["delta"] = pre["delta"]
+    grads = dict(_launch.run(plan.dkdv, a))
+    grads.update(_launch.run(plan.dq, a))
+    cot = {n: None for n in arrays}
+    cot.update(query=grads["dquery"], key=grads["dkey"], value=grads["dvalue"])
+    if arrays.get("bias") is not None:
+        dims = flash_plan.dbias_sum_dims(shapes)
+        dbias = grads["dbias"].sum(axis=dims, keepdims=True) if dims else grads["dbias"]
+        cot["bias"] = dbias.astype(arrays["bias"].dtype)
+    if arrays.get("softmax_aux") is not None:
+        view, dims = flash_plan.dsinks_partial_view(shapes, plan)
+        sinks = arrays["softmax_aux"]
+        cot["softmax_aux"] = pre["dsinks_partial"].reshape(view).sum(axis=dims).reshape(sinks.shape).astype(
+            sinks.dtype)
+    return (cot,)
+
+
+_flash_triton.defvjp(_flash_triton_fwd, _flash_triton_bwd)
+
+
+def _seed_array(dropout_prob: float, dropout_seed):
+    if dropout_prob == 0.0:
+        return None
+    if dropout_seed is None:
+        raise ValueError("dropout_seed is required with dropout_prob > 0 in JAX (an int or an integer scalar "
+                         "array, e.g. jax.random.randint(key, (), 0, 2**31 - 1))")
+    if isinstance(dropout_seed, (int, np.integer)):
+        return jnp.asarray([as_int32(int(dropout_seed))], dtype=jnp.int32)
+    seed = jnp.asarray(dropout_seed)
+    if seed.size != 1 or not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise TypeError(f"dropout_seed must be an int or an integer scalar array, got {seed.dtype}{seed.shape}")
+    return jax.lax.bitcast_convert_type(seed.reshape(1).astype(jnp.uint32), jnp.int32)
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    return {"gpu": "triton", "tpu": "pallas"}.get(platform, "xla")
+
+
+def _triton_config(shapes: FlashShapes, query) -> flash_plan.FlashConfig:
+    if _launch._on_gpu(query):
+        return flash_plan.default_config(shapes, interpret=False)
+    return flash_plan.default_config(shapes, interpret=True)
+
+
+def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, q_segment_ids,
+          kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse, backend,
+          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, xla_options=None):
+    check_dropout(dropout_prob, dropout_seed)
+    shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                 dropout_prob=dropout_prob)
+    backend = _resolve_backend(backend)
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
+        kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        q_segment_ids, kv_segment_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    if backend == "triton":
+        arrays = dict(query=query, key=key, value=value, bias=bias,
+                      attention_mask=None if attention_mask is None else attention_mask.astype(jnp.int8),
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      dropout_seed=_seed_array(dropout_prob, dropout_seed))
+        static = _Static(shapes, options, _triton_config(shapes, query), int(diag_shift))
+        out, lse = _flash_triton(static, arrays)
+        return (out, lse) if return_lse else out
+    if diag_shift:
+        raise ValueError(f"diag_shift is only supported by the triton backend, not {backend!r}")
+    common = dict(options=options, bias=bias, attention_mask=attention_mask, q_segment_ids=q_segment_ids,
+                  kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux, return_lse=return_lse)
+    if backend == "xla":
+        from . import xla
+        extra = dict(xla_options or {})
+        if cu_seqlens_q is not None:
+            for name in ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids"):
+                common.pop(name)
+            return xla.flash_attention_varlen_xla(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  max_seqlen_k, dropout_seed=dropout_seed, **common, **extra)
+        return xla.flash_attention_xla(query, key, value, dropout_seed=dropout_seed, **common, **extra)
+    from . import pallas
+    if cu_seqlens_q is not None:
+        raise ValueError("varlen (cu_seqlens) is not supported by the pallas backend; use backend='triton' or 'xla'")
+    pallas.check_pallas_supported(options)
+    return pallas.flash_attention_pallas(query, key, value, dropout_seed=dropout_seed, **common)
+
+
+def flash_attention(query, key, value, *, softmax_scale: Optional[float] = None, causal: bool = False,
+                    sliding_window=None, logits_soft_cap: Optional[float] = None, softmax_aux=None,
+                    q_segment_ids=None, kv_segment_ids=None, attention_mask=None, bias=None,
+                    dropout_prob: float = 0.0, dropout_seed=None, return_lse: bool = False,
+                    backend: str = "auto", xla_options: Optional[dict] = None):
+    """Flash attention over BSHD jax arrays; same arguments and meaning as the torch front end.
+
+    Args:
+        query: (B, Sq, Hq, D); key: (B, Sk, Hkv, D); value: (B, Sk, Hkv, Dv). fp16/bf16/fp32, Hq % Hkv == 0.
+        causal: bottom-right aligned (query i sees key j iff j <= i + Sk - Sq), as flash-attn >= 2.1.
+        sliding_window: int w or (left, right) around the same diagonal.
+        logits_soft_cap, softmax_aux (sinks), q/kv_segment_ids, attention_mask, bias: see SPEC.md.
+        dropout_prob, dropout_seed: the seed (int or traced integer scalar) is required with dropout;
+            with the same seed the torch and jax launches of the Triton kernel drop the same entries.
+        return_lse: also return the float32 log-sum-exp (B, Hq, Sq).
+        backend: "triton" | "xla" | "pallas" | "auto" (triton on GPU, pallas on TPU, xla on CPU).
+        xla_options: extra keywords for the xla backend (block_q, block_k, precision, logits_dtype).
+
+    Returns:
+        out (B, Sq, Hq, Dv) in query's dtype, or (out, lse). Fully masked rows give 0 (lse -inf).
+    """
+    return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
+                 logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids, attention_mask=attention_mask, bias=bias,
+                 dropout_prob=dropout_prob, dropout_seed=dropout_seed, return_lse=return_lse, backend=backend,
+                 xla_options=xla_options)
+
+
+def flash_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                           softmax_scale: Optional[float] = None, causal: bool = False, sliding_window=None,
+                           logits_soft_cap: Optional[float] = None, softmax_aux=None, dropout_prob: float = 0.0,
+                           dropout_seed=None, return_lse: bool = False, backend: str = "auto",
+                           xla_options: Optional[dict] = None):
+    """Packed variable-length attention: (total, H, D) arrays, int32 cu_seqlens (n_seqs + 1,).
+
+    Returns out (total_q, Hq, Dv) [and lse (Hq, total_q)].  max_seqlen_* must be static ints.
+    """
+    return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
+                 logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=None, kv_segment_ids=None,
+                 attention_mask=None, bias=None, dropout_prob=dropout_prob, dropout_seed=dropout_seed,
+                 return_lse=return_lse, backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, xla_options=xla_options)
