@@ -11,8 +11,8 @@ Scores live in log2 units inside the kernels (exp2 is the fast path).
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -156,27 +156,19 @@ def load_tile(ptrs, offs_r, row_limit, offs_c, col_limit, CHECK_ROWS: tl.constex
     return x
 
 
-# Reductions through tl.reduce with our own combine functions: triton.language's sum/max
-# are @jit library functions that the per-launch interpreter (kernels/_interpret.py) cannot
-# call, while tl.reduce is a builtin.  The GPU code is the same as tl.sum / tl.max.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
+# Reductions through the builtin tl.reduce with triton's own combine functions: tl.sum /
+# tl.max are @jit library functions that the per-launch interpreter (kernels/_interpret.py)
+# cannot call, while tl.reduce is a builtin; and the interpreter has numpy fast paths for
+# exactly these two combine functions (anything else runs element by element in Python).
+# On the GPU this is the same code as tl.sum / tl.max.
 @triton.jit
 def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+    return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
 @triton.jit
 def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _max)
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
 
 
 # Integer arguments are never specialised by value (divisible-by-16, == 1): jax-triton cannot

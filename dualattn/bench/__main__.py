@@ -1,0 +1,3 @@
+from .flash import main
+
+raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""Parity: the same inputs through torch (triton), jax (triton / xla / pallas) and the float64 reference.
+
+torch vs jax triton run the same kernel with the same launch plan, so they must agree to the
+last bit (outputs, lse and every gradient), and dropout with one seed must drop the same entries.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import dualattn.jax_api as dj  # noqa: E402
+import dualattn.torch_api as dt  # noqa: E402
+from reference import dropout_keep_reference, numpy_reference_with_grads, relative_error  # noqa: E402
+
+# (name, shapes (B, Sq, Sk, Hq, Hkv, D), options): each combination users hit.
+CASES = [
+    ("causal_gqa_window", (2, 67, 67, 4, 2, 32), dict(causal=True, sliding_window=(20, 0))),
+    ("segments_sinks", (1, 80, 80, 2, 2, 32), dict(segments=True, softmax_aux="per_head")),
+    ("mask_bias_softcap", (1, 48, 72, 2, 1, 16), dict(attention_mask=True, bias=True, logits_soft_cap=5.0)),
+    ("cross_decode_causal", (2, 1, 90, 4, 4, 64), dict(causal=True)),
+]
+
+
+def _inputs(rng, shapes, opts, dtype=np.float32):
+    b, sq, sk, hq, hkv, d = shapes
+    x = dict(query=rng.standard_normal((b, sq, hq, d)), key=rng.standard_normal((b, sk, hkv, d)),
+             value=rng.standard_normal((b, sk, hkv, d)))
+    x = {n: a.astype(dtype) for n, a in x.items()}
+    kw = {k: v for k, v in opts.items() if k not in ("segments", "softmax_aux", "attention_mask", "bias")}
+    if opts.get("segments"):
+        seg = np.sort(rng.integers(0, 3, size=(b, sq)), axis=1).astype(np.int32)
+        kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+    if opts.get("softmax_aux"):
+        x["softmax_aux"] = rng.standard_normal((hq,)).astype(np.float32)
+    if opts.get("attention_mask"):
+        kw["attention_mask"] = rng.random((b, 1, sq, sk)) > 0.3
+    if opts.get("bias"):
+        x["bias"] = rng.standard_normal((1, hq, sq, sk)).astype(np.float32)
+    dout = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    return x, kw, dout
+
+
+def _torch_run(x, kw, dout):
+    leaves = {n: torch.tensor(a, requires_grad=True) for n, a in x.items()}
+    extra = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    out, lse = dt.flash_attention(leaves["query"], leaves["key"], leaves["value"], bias=leaves.get("bias"),
+                                  softmax_aux=leaves.get("softmax_aux"), return_lse=True, **extra)
+    grads = torch.autograd.grad(out, list(leaves.values()), torch.tensor(dout))
+    res = {"out": out, "lse": lse, **{"d" + n: g for n, g in zip(leaves, grads)}}
+    return {k: v.detach().numpy() for k, v in res.items()}
+
+
+def _jax_run(x, kw, dout, backend):
+    names = list(x)
+    extra = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+
+    def f(*arrays):
+        a = dict(zip(names, arrays))
+        return dj.flash_attention(a["query"], a["key"], a["value"], bias=a.get("bias"),
+                                  softmax_aux=a.get("softmax_aux"), return_lse=True, backend=backend, **extra)
+
+    (out, lse), vjp = jax.vjp(jax.jit(f), *[jnp.asarray(x[n]) for n in names])
+    grads = vjp((jnp.asarray(dout), jnp.zeros_like(lse)))
+    res = {"out": out, "lse": lse, **{"d" + n: g for n, g in zip(names, grads)}}
+    return {k: np.asarray(v) for k, v in res.items()}
+
+
+@pytest.mark.parametrize("name,shapes,opts", CASES, ids=[c[0] for c in CASES])
+def test_torch_and_jax_triton_are_bitwise_equal_and_match_reference(name, shapes, opts, rng):
+    x, kw, dout = _inputs(rng, shapes, opts)
+    t = _torch_run(x, kw, dout)
+    j = _jax_run(x, kw, dout, "triton")
+    for key in t:
+        np.testing.assert_array_equal(j[key], t[key], err_msg=f"{key}: torch and jax triton differ")
+    ref = numpy_reference_with_grads(x, dout, **kw)
+    for key in ("out", "dquery", "dkey", "dvalue", "dbias", "dsoftmax_aux"):
+        if key in t:
+            assert relative_error(t[key], ref[key]) < 2e-5, key
+    finite = np.isfinite(ref["lse"])
+    np.testing.assert_array_equal(np.isfinite(t["lse"]), finite)
+    np.testing.assert_allclose(t["lse"][finite], ref["lse"][finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("name,shapes,opts", CASES, ids=[c[0] for c in CASES])
+def test_jax_backends_agree_with_triton_and_reference(name, shapes, opts, backend, rng):
+    pytest.importorskip(f"dualattn.jax_api.{backend}")
+    x, kw, dout = _inputs(rng, shapes, opts)
+    ref = numpy_reference_with_grads(x, dout, **kw)
+    j = _jax_run(x, kw, dout, backend)
+    for key in ("out", "dquery", "dkey", "dvalue", "dbias", "dsoftmax_aux"):
+        if key in j:
+            assert relative_error(j[key], ref[key]) < 1e-4, f"{backend} {key}"
+
+
+def test_dropout_drops_the_same_entries_in_torch_and_jax(rng):
+    b, s, h, d, p, seed = 1, 64, 2, 32, 0.3, 1234
+    x = {n: rng.standard_normal((b, s, h, d)).astype(np.float32) for n in ("query", "key", "value")}
+    dout = rng.standard_normal((b, s, h, d)).astype(np.float32)
+    kw = dict(dropout_prob=p, dropout_seed=seed)
+    t = _torch_run(x, kw, dout)
+    j = _jax_run(x, kw, dout, "triton")
+    for key in t:
+        np.testing.assert_array_equal(j[key], t[key], err_msg=key)
+    keep = dropout_keep_reference(seed, b, h, s, s, p)
+    ref = numpy_reference_with_grads(x, dout, dropout_prob=p, dropout_keep=keep)
+    assert relative_error(t["out"], ref["out"]) < 2e-5
+    assert relative_error(t["dquery"], ref["dquery"]) < 2e-5
+    # the xla backend uses the jnp twin of the same hash
+    pytest.importorskip("dualattn.jax_api.xla")
+    jx = _jax_run(x, kw, dout, "xla")
+    assert relative_error(jx["out"], ref["out"]) < 1e-4
+
+
+def test_jax_triton_traced_seed_vmap_and_varlen(rng):
+    b, s, h, d = 2, 40, 2, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for _ in range(3))
+    # a traced dropout seed under jit: two seeds, two masks; same seed, same output
+    f = jax.jit(lambda q, k, v, seed: dj.flash_attention(q, k, v, dropout_prob=0.5, dropout_seed=seed,
+                                                         backend="triton"))
+    o1, o2, o3 = f(q, k, v, jnp.int32(1)), f(q, k, v, jnp.int32(2)), f(q, k, v, jnp.int32(1))
+    assert not np.array_equal(o1, o2)
+    np.testing.assert_array_equal(o1, o3)
+    # vmap over an extra leading axis equals the per-element calls
+    qs = jnp.stack([q, q * 0.5])
+    vm = jax.vmap(lambda qq: dj.flash_attention(qq, k, v, causal=True, backend="triton"))(qs)
+    np.testing.assert_array_equal(vm[1], dj.flash_attention(qs[1], k, v, causal=True, backend="triton"))
+    # varlen through jax equals torch's varlen
+    lens = [17, 40, 5]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    qp, kp, vp = (rng.standard_normal((cu[-1], h, d)).astype(np.float32) for _ in range(3))
+    jo = dj.flash_attention_varlen(jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(cu),
+                                   jnp.asarray(cu), max(lens), max(lens), causal=True, backend="triton")
+    to = dt.flash_attn_varlen_func(torch.tensor(qp), torch.tensor(kp), torch.tensor(vp), torch.tensor(cu),
+                                   torch.tensor(cu), max(lens), max(lens), causal=True)
+    np.testing.assert_array_equal(np.asarray(jo), to.numpy())
+
+
+@pytest.mark.gpu
+def test_gpu_torch_and_jax_triton_bitwise_at_size():
+    rng = np.random.default_rng(0)
+    b, s, h, d = 2, 4096, 8, 128
+    q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
+    tq, tk, tv = (torch.tensor(a, device="cuda", dtype=torch.bfloat16, requires_grad=True) for a in (q, k, v))
+    to = dt.flash_attention(tq, tk, tv, causal=True)
+    tg = torch.autograd.grad(to, [tq, tk, tv], torch.tensor(do, device="cuda", dtype=torch.bfloat16))
+    jq, jk, jv, jdo = (jnp.asarray(a, dtype=jnp.bfloat16) for a in (q, k, v, do))
+    jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=True, backend="triton")),
+                      jq, jk, jv)
+    jg = vjp(jdo)
+    for a, t in zip([jo, *jg], [to, *tg]):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.float().cpu().numpy())
