@@ -7,6 +7,7 @@ they run the same kernel variant with the same grid and tiles.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Dict, Optional
 
@@ -30,6 +31,14 @@ def _on_gpu(x) -> bool:
         return all(d.platform == "gpu" for d in x.devices())
     except Exception:  # a tracer: ask where computations go by default
         return jax.default_backend() == "gpu"
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_arch() -> int:
+    """Compute capability of the first GPU as 90 / 80 (what the launch plans key tiles on)."""
+    cc = getattr(jax.devices("gpu")[0], "compute_capability", "9.0")
+    major, minor = str(cc).split(".")[:2]
+    return int(major) * 10 + int(minor)
 
 
 def _import_jax_triton():
@@ -62,7 +71,7 @@ def _run(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
         kernel = _interpret.kernel(launch.module, launch.kernel, interpret=False)
         dummy = arrays[launch.inputs[0]] if launch.inputs[0] in arrays else first
         args = [arrays.get(name, dummy) for name in launch.inputs] + [_scalar(v) for _, v in launch.scalars]
-        zeroed = [i for i, o in enumerate(launch.outputs) if o.zeroed]
+        zeroed = tuple(i for i, o in enumerate(launch.outputs) if o.zeroed)  # must be hashable
         outs = jt.triton_call(*args, kernel=kernel, out_shape=out_types, grid=launch.grid,
                               num_warps=launch.num_warps, num_stages=launch.num_stages,
                               zeroed_outputs=zeroed, **launch.constexpr_dict)

@@ -110,9 +110,9 @@ def _resolve_backend(backend: str) -> str:
     return {"gpu": "triton", "tpu": "pallas"}.get(platform, "xla")
 
 
-def _triton_config(shapes: FlashShapes, query) -> flash_plan.FlashConfig:
+def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:
     if _launch._on_gpu(query):
-        return flash_plan.default_config(shapes, interpret=False)
+        return flash_plan.default_config(shapes, interpret=False, arch=_launch.gpu_arch(), causal=options.causal)
     return flash_plan.default_config(shapes, interpret=True)
 
 
@@ -138,7 +138,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       dropout_seed=_seed_array(dropout_prob, dropout_seed))
-        static = _Static(shapes, options, _triton_config(shapes, query), int(diag_shift))
+        static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift))
         out, lse = _flash_triton(static, arrays)
         return (out, lse) if return_lse else out
     if diag_shift:

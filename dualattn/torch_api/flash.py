@@ -61,11 +61,11 @@ def _shapes(a: dict, max_seqlen_q: int, max_seqlen_k: int):
                             max_seqlen_k=max_seqlen_k if varlen else None)
 
 
-def _config(shapes, device):
+def _config(shapes, options, device):
     if device.type == "cpu":
         return flash_plan.default_config(shapes, interpret=True)
     major, minor = torch.cuda.get_device_capability(device)
-    return flash_plan.default_config(shapes, interpret=False, arch=major * 10 + minor)
+    return flash_plan.default_config(shapes, interpret=False, arch=major * 10 + minor, causal=options.causal)
 
 
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
@@ -87,7 +87,7 @@ def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
     options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
     out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
     launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}),
-                                     config=_config(shapes, query.device), diag_shift=diag_shift)
+                                     config=_config(shapes, options, query.device), diag_shift=diag_shift)
     a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"]
@@ -123,7 +123,7 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
     dout = _cpu_upcast(dout).to(work_dtype).contiguous()
     a.update(out=out, dout=dout, lse=lse.contiguous())
     plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}),
-                                    config=_config(shapes, query.device), diag_shift=diag_shift)
+                                    config=_config(shapes, options, query.device), diag_shift=diag_shift)
     a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]

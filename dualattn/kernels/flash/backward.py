@@ -11,7 +11,7 @@ group, so no atomics are needed.  Tile ranges come from rules.band_range, as in 
 import triton
 import triton.language as tl
 
-from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
+from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
                     reduce_sum, tile_mask)
 
 
@@ -56,17 +56,18 @@ def flash_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
                    bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right,
                    sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   HAS_SEGMENTS: tl.constexpr):
-    """Recompute the [BLOCK_M, BLOCK_N] probabilities and the soft-cap derivative 1 - tanh^2."""
-    qk = tl.dot(q, tl.trans(k))
+                   HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Recompute probabilities and the soft-cap derivative 1 - tanh^2 from the raw q.k tile.
+
+    The tile is [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (key-major) when TRANSPOSED.
+    """
     bias = 0.0
     if HAS_BIAS:
-        bias = tl.load(BIAS_ROW + offs_m[:, None].to(tl.int64) * bias_stride_s + offs_n[None, :],
-                       mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k), other=0.0).to(tl.float32)
+        bias = load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, TRANSPOSED)
     s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
     cap_grad = 1.0
     if HAS_SOFTCAP:
@@ -75,11 +76,12 @@ def _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
     if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        q_seg, MASK_ROW, k_seg, mask_stride_s,
-                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK)
+                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, TRANSPOSED)
         s = tl.where(ok, s, float("-inf"))
     # lse = -inf marks a fully masked row: every s there is -inf too, so P = 0.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
-    p = tl.exp2(s - lse2[:, None])
+    lse2, _ = rows_cols(lse2, offs_n, TRANSPOSED)
+    p = tl.exp2(s - lse2)
     return p, cap_grad
 
 
@@ -93,7 +95,9 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
+    # the dV and dK products consume, with no register transposes.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -109,22 +113,23 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
         q_seg = 0
         if HAS_SEGMENTS:
             q_seg = tl.load(QSEG_ROW + offs_m, mask=in_rows, other=-2)
-        p, cap_grad = _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
-                                     bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
-                                     window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS)
-        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
-        p_dropped = p
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        p_t, cap_grad = _probabilities(qk_t, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+                                       bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
+                                       window_left, window_right, sm_scale, softcap, POSITIONAL,
+                                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, True)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        p_dropped = p_t
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_row_hash(dropout_seed, batch_head, offs_m), offs_n, dropout_threshold)
-            p_dropped = tl.where(keep, p * dropout_scale, 0.0)
-            dp = tl.where(keep, dp * dropout_scale, 0.0)
-        dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, dv)
-        dz = p * (dp - delta[:, None]) * cap_grad  # [BLOCK_M, BLOCK_N]
+            keep = dropout_keep(dropout_row_hash(dropout_seed, batch_head, offs_m), offs_n, dropout_threshold, True)
+            p_dropped = tl.where(keep, p_t * dropout_scale, 0.0)
+            dp_t = tl.where(keep, dp_t * dropout_scale, 0.0)
+        dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dz_t = p_t * (dp_t - delta[None, :]) * cap_grad  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
-            tl.store(DBIAS_ROW + offs_m[:, None].to(tl.int64) * dbias_stride_s + offs_n[None, :], dz,
-                     mask=in_rows[:, None] & (offs_n[None, :] < seqlen_k))
-        dk = tl.dot(tl.trans(dz.to(q.dtype)), q, dk)
+            tl.store(DBIAS_ROW + offs_m[None, :].to(tl.int64) * dbias_stride_s + offs_n[:, None], dz_t,
+                     mask=in_rows[None, :] & (offs_n[:, None] < seqlen_k))
+        dk = tl.dot(dz_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -144,7 +149,7 @@ def flash_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -207,7 +212,7 @@ def flash_bwd_dkdv_kernel(
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                 dropout_seed, dropout_threshold, dropout_scale,
                 segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT)
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
@@ -227,7 +232,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -240,16 +245,17 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
         k_seg = 0
         if HAS_SEGMENTS:
             k_seg = tl.load(KSEG_ROW + offs_n, mask=offs_n < seqlen_k, other=-1)
-        p, cap_grad = _probabilities(q, k, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        p, cap_grad = _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
                                      bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
                                      window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS)
-        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, False)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
-            keep = dropout_keep(row_hash, offs_n, dropout_threshold)
+            keep = dropout_keep(row_hash, offs_n, dropout_threshold, False)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         dz = p * (dp - delta[:, None]) * cap_grad
-        dq = tl.dot(dz.to(k.dtype), k, dq)
+        dq = tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -268,7 +274,7 @@ def flash_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -326,7 +332,7 @@ def flash_bwd_dq_kernel(
                        seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                        dropout_threshold, dropout_scale,
                        segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT)
+                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
     tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),

@@ -9,7 +9,7 @@ Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 import triton
 import triton.language as tl
 
-from .rules import FWD_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, reduce_max, reduce_sum, tile_mask
+from .rules import FWD_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash, key_range, load_bias, load_tile, logits, reduce_max, reduce_sum, tile_mask
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr):
+               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -31,12 +31,10 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
         # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
         k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
                       offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         bias = 0.0
         if HAS_BIAS:
-            bias = tl.load(BIAS_ROW + offs_m[:, None].to(tl.int64) * bias_stride_s + offs_n[None, :],
-                           mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k),
-                           other=0.0).to(tl.float32)
+            bias = load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, False)
         s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
         k_seg = 0
         if HAS_SEGMENTS:
@@ -44,7 +42,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
         if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
             ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                            q_seg, MASK_ROW, k_seg, mask_stride_s,
-                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK)
+                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, False)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, reduce_max(s, 1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
@@ -54,11 +52,11 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
         l_i = l_i * alpha + reduce_sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = dropout_keep(row_hash, offs_n, dropout_threshold)
+            keep = dropout_keep(row_hash, offs_n, dropout_threshold, False)
             p = tl.where(keep, p * dropout_scale, 0.0)
         v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
                       offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -77,7 +75,7 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -149,7 +147,7 @@ def flash_fwd_kernel(
             seqlen_q, seqlen_k, diag, window_left, window_right,
             sm_scale, softcap, dropout_threshold, dropout_scale,
             segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0

@@ -7,6 +7,9 @@ options) and the element strides of the arrays (torch: tensor.stride(); JAX: row
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import os
 from typing import Dict, Optional, Tuple
 
 from ...options import FlashOptions
@@ -35,30 +38,53 @@ class FlashConfig:
     bwd_dq: TileConfig
 
 
-def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90) -> FlashConfig:
-    """Heuristic tiles per (platform, head dim).  Tuned figures live in benchmarks/NOTES.md."""
+# Tiles measured best on the H100 by benchmarks/tune_flash.py (see benchmarks/NOTES.md), keyed by
+# "sm<arch>:d<head-dim bucket>:<causal|full>" -> (fwd, dkdv, dq) as (block_m, block_n, warps, stages).
+TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {}
+TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (tuning runs)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table(path: Optional[str]) -> Dict[str, Tuple[Tuple[int, int, int, int], ...]]:
+    table = dict(TUNED)
+    if path:
+        with open(path) as f:
+            table.update({k: tuple(tuple(t) for t in v) for k, v in json.load(f).items()})
+    return table
+
+
+def tuned_key(arch: int, head_dim: int, causal: bool) -> str:
+    return f"sm{arch}:d{next_pow2(head_dim)}:{'causal' if causal else 'full'}"
+
+
+def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, causal: bool = False) -> FlashConfig:
+    """Tiles per (platform, head dim, causal): the tuned table first, then heuristics."""
     d = max(next_pow2(shapes.head_dim), next_pow2(shapes.head_dim_v))
     if interpret:
         # The interpreter pays per tile op, not per element: big tiles, no pipelining.
         t = TileConfig(64, 64, 4, 1)
         return FlashConfig(t, t, t)
-    if d <= 64:
-        fwd = TileConfig(128, 64, 4, 3)
-    elif d <= 128:
-        fwd = TileConfig(128, 64, 8, 3)
+    tuned = _tuned_table(os.environ.get(TUNED_FILE_ENV)).get(tuned_key(arch, d, causal))
+    if tuned is not None:
+        fwd, dkdv, dq = (TileConfig(*t) for t in tuned)
     else:
-        fwd = TileConfig(64, 32, 4, 2)
-    if d <= 128:
-        dkdv = TileConfig(32, 128, 4, 3)
-        dq = TileConfig(128, 32, 4, 3)
-    else:
-        dkdv = TileConfig(32, 64, 4, 2)
-        dq = TileConfig(64, 32, 4, 2)
+        if d <= 64:
+            fwd = TileConfig(128, 64, 4, 3)
+        elif d <= 128:
+            fwd = TileConfig(128, 64, 8, 3)
+        else:
+            fwd = TileConfig(64, 32, 4, 2)
+        if d <= 128:
+            dkdv = TileConfig(32, 128, 4, 3)
+            dq = TileConfig(128, 32, 4, 3)
+        else:
+            dkdv = TileConfig(32, 64, 4, 2)
+            dq = TileConfig(64, 32, 4, 2)
     if shapes.seqlen_q <= 64 or shapes.seqlen_k <= 64:
         # Decode-like shapes: don't waste most of a 128-row tile.
-        small = lambda t: TileConfig(min(t.block_m, max(16, next_pow2(shapes.seqlen_q))),
-                                     min(t.block_n, max(16, next_pow2(shapes.seqlen_k))),
-                                     min(t.num_warps, 4), t.num_stages)
+        def small(t):
+            return TileConfig(min(t.block_m, max(16, next_pow2(shapes.seqlen_q))),
+                              min(t.block_n, max(16, next_pow2(shapes.seqlen_k))), min(t.num_warps, 4), t.num_stages)
         fwd, dkdv, dq = small(fwd), small(dkdv), small(dq)
     return FlashConfig(fwd, dkdv, dq)
 
@@ -122,6 +148,8 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("HAS_MASK", shapes.has_mask), ("HAS_SEGMENTS", shapes.has_segments),
         ("NUM_SINKS", shapes.num_sinks), ("BLOCK_SINKS", max(2, next_pow2(shapes.num_sinks))),
         ("HAS_DROPOUT", p > 0.0), ("IS_VARLEN", shapes.varlen),
+        # fp32 inputs: 3xTF32 dots keep fp32 accuracy; 16-bit inputs ignore this.
+        ("DOT_PRECISION", "tf32x3" if shapes.dtype == "float32" else "tf32"),
     )
     return scalars, constexprs
 

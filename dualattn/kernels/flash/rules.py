@@ -68,31 +68,52 @@ def query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
 
 
 @triton.jit
+def rows_cols(offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """Broadcastable query / key index grids of a tile: [M, 1] x [1, N], or [1, M] x [N, 1]
+    when the tile is stored key-major (dK/dV compute S^T = K Q^T so no register transposes)."""
+    if TRANSPOSED:
+        mi = offs_m[None, :]
+        nj = offs_n[:, None]
+    else:
+        mi = offs_m[:, None]
+        nj = offs_n[None, :]
+    return mi, nj
+
+
+@triton.jit
 def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
               q_seg, MASK_ROW, k_seg, mask_stride_s,
               POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              HAS_SEGMENTS: tl.constexpr, HAS_MASK: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] boolean: may row offs_m attend column offs_n.
+              HAS_SEGMENTS: tl.constexpr, HAS_MASK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Boolean tile: may query offs_m attend key offs_n ([M, N], or [N, M] if TRANSPOSED).
 
     POSITIONAL=False is the fast path for tiles that band_range proved full; segment ids
     and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].
     """
-    ok = tl.full((offs_m.shape[0], offs_n.shape[0]), 1, tl.int1)
+    mi, nj = rows_cols(offs_m, offs_n, TRANSPOSED)
+    ok = (mi >= 0) & (nj >= 0)
     if POSITIONAL:
-        ok = ok & (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-        d = offs_n[None, :] - offs_m[:, None] - diag
+        ok = ok & (mi < seqlen_q) & (nj < seqlen_k)
+        d = nj - mi - diag
         if HAS_LEFT:
             ok = ok & (d >= -window_left)
         if HAS_RIGHT:
             ok = ok & (d <= window_right)
     if HAS_SEGMENTS:
-        ok = ok & (q_seg[:, None] == k_seg[None, :])
+        qs, ks = rows_cols(q_seg, k_seg, TRANSPOSED)
+        ok = ok & (qs == ks)
     if HAS_MASK:
-        in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-        user = tl.load(MASK_ROW + offs_m[:, None].to(tl.int64) * mask_stride_s + offs_n[None, :],
-                       mask=in_bounds, other=0)
+        user = tl.load(MASK_ROW + mi.to(tl.int64) * mask_stride_s + nj,
+                       mask=(mi < seqlen_q) & (nj < seqlen_k), other=0)
         ok = ok & (user != 0)
     return ok
+
+
+@triton.jit
+def load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, TRANSPOSED: tl.constexpr):
+    mi, nj = rows_cols(offs_m, offs_n, TRANSPOSED)
+    return tl.load(BIAS_ROW + mi.to(tl.int64) * bias_stride_s + nj,
+                   mask=(mi < seqlen_q) & (nj < seqlen_k), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -136,9 +157,10 @@ def dropout_row_hash(seed, batch_head, offs_m):
 
 
 @triton.jit
-def dropout_keep(row_hash, offs_n, threshold):
-    """[BLOCK_M, BLOCK_N] keep-mask: a pure function of (seed, b*H + h, i, j), any launcher."""
-    h = mix32(row_hash[:, None] ^ offs_n.to(tl.uint32)[None, :])
+def dropout_keep(row_hash, offs_n, threshold, TRANSPOSED: tl.constexpr = False):
+    """Keep-mask tile: a pure function of (seed, b*H + h, i, j), whatever the launcher or orientation."""
+    rows, cols = rows_cols(row_hash, offs_n.to(tl.uint32), TRANSPOSED)
+    h = mix32(rows ^ cols)
     return (h >> 8) >= threshold.to(tl.uint32)
 
 
