@@ -14,9 +14,9 @@ import triton
 import dualattn.torch_api as dt
 from dualattn.kernels.flash import plan as flash_plan
 
-FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)]
-DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)]
-DQ = [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3)]
+FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)]
+DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3)]
+DQ = [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)]
 
 
 def _with(fwd, dkdv, dq):
@@ -68,7 +68,7 @@ def _report(log, what, c, flops, ms):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--head-dims", default="128")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=16384)
     args = ap.parse_args()
