@@ -131,7 +131,7 @@ def jax_check(results):
     f = jax.jit(lambda q, k, v: dj.flash_attention(q, k, v, causal=True, backend="triton"))
     jout, vjp = jax.vjp(f, jq, jk, jv)
     jgrads = vjp(jdo)
-    same = [bool(np.array_equal(np.asarray(a.astype(jnp.float32)), b.float().cpu().numpy()))
+    same = [bool(np.array_equal(np.asarray(a.astype(jnp.float32)), b.detach().float().cpu().numpy()))
             for a, b in zip([jout, *jgrads], [tout, *tgrads])]
     results.append(dict(jax_vs_torch_bitwise=same))
     print("jax triton vs torch bitwise equal (out, dq, dk, dv):", same, flush=True)

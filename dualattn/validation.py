@@ -184,3 +184,25 @@ def check_dropout(dropout_prob, dropout_seed):
         # jax may pass a traced/array seed; only python ints are validated here.
         if not hasattr(dropout_seed, "shape"):
             raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}")
+
+
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int,
+                            max_seqlen_k: int) -> None:
+    """Check the values of concrete cu_seqlens (python/numpy sequences) before any launch.
+
+    Called by the front ends whenever the values are known on the host (not for traced JAX
+    values or inside torch.compile): a bad table would make the kernels read out of bounds.
+    """
+    for name, cu, total, max_len, max_name in (
+            ("cu_seqlens_q", list(cu_seqlens_q), total_q, max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", list(cu_seqlens_k), total_k, max_seqlen_k, "max_seqlen_k")):
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {cu}")
+        if cu[-1] > total:
+            raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the {total} packed tokens of the "
+                             f"{'query' if name.endswith('q') else 'key/value'} tensor")
+        if lengths and max(lengths) > int(max_len):
+            raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence ({max(lengths)})")

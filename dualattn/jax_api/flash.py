@@ -18,7 +18,7 @@ import numpy as np
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32, row_major_strides
 from ..options import FlashOptions
-from ..validation import FlashShapes, check_dropout, check_flash_args
+from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args
 from . import _launch
 
 BACKENDS = ("auto", "triton", "xla", "pallas")
@@ -127,6 +127,9 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                  dropout_prob=dropout_prob)
+    if shapes.varlen and not any(isinstance(c, jax.core.Tracer) for c in (cu_seqlens_q, cu_seqlens_k)):
+        check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(),
+                                shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
     backend = _resolve_backend(backend)
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids

@@ -16,7 +16,7 @@ import torch
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32
 from ..options import FlashOptions
-from ..validation import check_dropout, check_flash_args
+from ..validation import check_cu_seqlens_values, check_dropout, check_flash_args
 from . import _launch
 
 Tensor = torch.Tensor
@@ -235,6 +235,10 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    if shapes.varlen and not torch.compiler.is_compiling():
+        # One small device->host copy; skipped under torch.compile, where it would break the graph.
+        check_cu_seqlens_values(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), shapes.total_q, shapes.total_k,
+                                shapes.seqlen_q, shapes.seqlen_k)
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                  dropout_prob=dropout_prob)

@@ -153,4 +153,4 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size():
                       jq, jk, jv)
     jg = vjp(jdo)
     for a, t in zip([jo, *jg], [to, *tg]):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.float().cpu().numpy())
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.detach().float().cpu().numpy())

@@ -340,7 +340,7 @@ def flash_bwd_dq_kernel(
 
 
 @triton.jit
-def dropout_mask_kernel(KEEP, seqlen_q, seqlen_k, num_heads, dropout_seed, dropout_threshold,
+def dropout_mask_kernel(seqlen_q, seqlen_k, num_heads, dropout_seed, dropout_threshold, KEEP,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialise the keep-mask the attention kernels use (tests and debugging)."""
     pid_m = tl.program_id(0)

@@ -40,7 +40,11 @@ class FlashConfig:
 
 # Tiles measured best on the H100 by benchmarks/tune_flash.py (see benchmarks/NOTES.md), keyed by
 # "sm<arch>:d<head-dim bucket>:<causal|full>" -> (fwd, dkdv, dq) as (block_m, block_n, warps, stages).
-TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {}
+TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
+    # H100, 2026-11-22, B=2 S=8192 H=16 bf16 (benchmarks/results/2026-11-22_h100_tune_d128.json)
+    "sm90:d128:full": ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 2)),
+    "sm90:d128:causal": ((128, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2)),
+}
 TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (tuning runs)
 
 

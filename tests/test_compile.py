@@ -1,0 +1,299 @@
+"""Ahead-of-time compilation of every flash kernel variant for sm_90 and sm_80, on CPU.
+
+The interpreter never lowers to TTGIR/LLVM/PTX, so GPU-only failures (constexpr globals,
+layouts, MMA shapes, shared memory, ptxas) would otherwise show up only on a GPU.  Each case
+builds the Launch objects the front ends run (plan_forward / plan_backward / plan_dropout_mask
+with the GPU tile config of that arch) and compiles them with `triton.compile`
+(dualattn/kernels/compile_check.py), typed and specialised as a real launch.
+
+Default tier: a covering set (every dtype, head dim and option appears on both archs, combined
+into a few variants) -- a few minutes on 2 cores.  The sweep that isolates each option and each
+(dtype, head dims) pair (~300 compiles, most of an hour) is marked slow and runs only when asked
+for: `pytest -m slow tests/test_compile.py` or DUALATTN_COMPILE_SWEEP=1 (CI's plain `pytest`
+selects slow tests too, so the marker alone would not keep it out).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from typing import Optional, Tuple
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from dualattn.kernels import compile_check  # noqa: E402
+from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from dualattn.kernels.launch import row_major_strides  # noqa: E402
+from dualattn.options import FlashOptions  # noqa: E402
+from dualattn.validation import check_flash_args  # noqa: E402
+
+ARCHS = (90, 80)
+# cudaDevAttrMaxSharedMemoryPerBlockOptin: Triton's launcher raises OutOfResources above it.
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+KERNELS = ("fwd", "preprocess", "dkdv", "dq")
+DOT_KERNELS = ("fwd", "dkdv", "dq")
+
+
+def _array(shape, dtype):
+    """Stand-in for an array: check_flash_args and the plans read only .shape and .dtype."""
+    return types.SimpleNamespace(shape=tuple(shape), dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    dtype: str = "bfloat16"
+    d: int = 128
+    dv: Optional[int] = None
+    batch: int = 2
+    sq: int = 128
+    sk: int = 128
+    hq: int = 4
+    hkv: int = 4
+    causal: bool = False
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    softcap: Optional[float] = None
+    bias: Optional[str] = None          # "bcast" (1, 1, Sq, Sk) or "full" (B, Hq, Sq, Sk)
+    bias_dtype: Optional[str] = None    # default: the query dtype
+    mask: Optional[str] = None          # "bcast" / "full", int8 as the front ends pass it
+    segments: bool = False
+    sinks: Optional[Tuple[str, int]] = None   # ("head", n) or ("shared", n)
+    sinks_dtype: Optional[str] = None
+    dropout: float = 0.0
+    varlen: bool = False
+
+    def build(self, arch: int):
+        """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
+        dv = self.d if self.dv is None else self.dv
+        arrays = {}
+        if self.varlen:
+            lens = [self.sq, self.sq // 2 + 3, self.sq // 3]   # max_seqlen first
+            total = sum(lens)
+            arrays["query"] = _array((total, self.hq, self.d), self.dtype)
+            arrays["key"] = _array((total, self.hkv, self.d), self.dtype)
+            arrays["value"] = _array((total, self.hkv, dv), self.dtype)
+            arrays["cu_seqlens_q"] = arrays["cu_seqlens_k"] = _array((len(lens) + 1,), "int32")
+            max_q, max_k = self.sq, self.sq
+        else:
+            arrays["query"] = _array((self.batch, self.sq, self.hq, self.d), self.dtype)
+            arrays["key"] = _array((self.batch, self.sk, self.hkv, self.d), self.dtype)
+            arrays["value"] = _array((self.batch, self.sk, self.hkv, dv), self.dtype)
+            max_q = max_k = None
+        maps = {"bcast": (1, 1, self.sq, self.sk), "full": (self.batch, self.hq, self.sq, self.sk)}
+        if self.bias:
+            arrays["bias"] = _array(maps[self.bias], self.bias_dtype or self.dtype)
+        if self.mask:
+            arrays["attention_mask"] = _array(maps[self.mask], "int8")
+        if self.segments:
+            arrays["q_segment_ids"] = _array((self.batch, self.sq), "int32")
+            arrays["kv_segment_ids"] = _array((self.batch, self.sk), "int32")
+        if self.sinks:
+            kind, n = self.sinks
+            shape = ((self.hq,) if n == 1 else (self.hq, n)) if kind == "head" else (n,)
+            arrays["softmax_aux"] = _array(shape, self.sinks_dtype or self.dtype)
+        shapes = check_flash_args(arrays["query"], arrays["key"], arrays["value"],
+                                  **{k: v for k, v in arrays.items() if k not in ("query", "key", "value")},
+                                  max_seqlen_q=max_q, max_seqlen_k=max_k)
+        if self.sinks:
+            assert shapes.sinks_per_head == (self.sinks[0] == "head") and shapes.num_sinks == self.sinks[1]
+        options = FlashOptions.build(head_dim=self.d, causal=self.causal, sliding_window=self.window,
+                                     logits_soft_cap=self.softcap, dropout_prob=self.dropout)
+        out = _array(flash_plan.out_shape(shapes), self.dtype)
+        strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
+        config = flash_plan.default_config(shapes, interpret=False, arch=arch)
+        fwd = flash_plan.plan_forward(shapes, options, strides, config=config)
+        bwd = flash_plan.plan_backward(shapes, options, strides, config=config)
+        dtypes = {k: a.dtype for k, a in arrays.items()}
+        dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
+        if self.dropout > 0:
+            dtypes["dropout_seed"] = "int32"   # (1,) int32 array, so JAX can trace the seed
+        return fwd, bwd, dtypes
+
+    def launch(self, kernel: str, arch: int):
+        fwd, bwd, dtypes = self.build(arch)
+        return {"fwd": fwd, "preprocess": bwd.preprocess, "dkdv": bwd.dkdv, "dq": bwd.dq}[kernel], dtypes
+
+
+# ---- default tier: every dtype, head dim and option on both archs, combined ----
+FAST = (
+    Variant("bf16-d128"),
+    Variant("fp16-d64-gqa-causal-softcap-bcastbias-sinks1", dtype="float16", d=64, hq=4, hkv=2, causal=True,
+            softcap=30.0, bias="bcast", bias_dtype="float32", sinks=("head", 1)),
+    Variant("fp32-d80-window-mask-segments-sharedsinks3-dropout", dtype="float32", d=80, window=(16, 8),
+            mask="full", segments=True, sinks=("shared", 3), dropout=0.1),
+    Variant("bf16-d256-dv128-leftwindow-fullbias-bcastmask-dropout", d=256, dv=128,
+            window=(32, None), bias="full", mask="bcast", dropout=0.2),
+    Variant("bf16-d128-dv64-varlen-gqa-causal-sinks3-dropout", d=128, dv=64, hq=8, hkv=2, causal=True,
+            sinks=("head", 3), sinks_dtype="float32", dropout=0.1, varlen=True),
+    Variant("fp16-d128-decode-mqa-causal", dtype="float16", sq=1, sk=100, hq=4, hkv=1, causal=True),
+)
+
+# ---- slow tier: each option alone (bf16, D=128), and each (dtype, head dims) with no option ----
+_OPTIONS = (
+    dict(causal=True), dict(window=(32, None)), dict(window=(32, 16)), dict(softcap=30.0),
+    dict(bias="bcast"), dict(bias="full"), dict(mask="full"), dict(mask="bcast"), dict(segments=True),
+    dict(sinks=("head", 1)), dict(sinks=("head", 3)), dict(sinks=("shared", 1)), dict(sinks=("shared", 3)),
+    dict(dropout=0.1), dict(varlen=True), dict(hq=8, hkv=2), dict(hq=4, hkv=1), dict(sq=100, sk=300),
+    dict(sq=1, sk=100),
+)
+
+
+def _opt_name(o):
+    return "-".join(f"{k}={v}" for k, v in o.items()).replace(" ", "")
+
+
+SLOW = tuple(Variant(f"bf16-d128-{_opt_name(o)}", **o) for o in _OPTIONS) + tuple(
+    Variant(f"{dt}-d{d}" + (f"-dv{dv}" if dv else "") + ("-causal" if c else ""), dtype=dt, d=d, dv=dv, causal=c)
+    for dt in ("bfloat16", "float16", "float32")
+    for d, dv in ((64, None), (128, None), (80, None), (256, None), (128, 64), (64, 256))
+    for c in (False,))
+
+
+def _cases(variants, marks=()):
+    return [pytest.param(v, k, arch, id=f"sm{arch}-{k}-{v.name}", marks=marks)
+            for arch in ARCHS for v in variants for k in KERNELS]
+
+
+def _compile(launch, dtypes, arch, specialize, what):
+    try:
+        return compile_check.compile_launch(launch, dtypes, arch=arch, specialize=specialize)
+    except Exception as e:  # name the variant and the root cause; the chained traceback has the rest
+        root = e
+        while root.__cause__ is not None:
+            root = root.__cause__
+        raise AssertionError(f"{what}: {launch.kernel} failed to compile for sm_{arch} "
+                             f"({type(root).__name__}): {root}") from e
+
+
+def _check_binary(compiled, launch, arch, what):
+    ptx = compiled.asm["ptx"]
+    assert f".entry {launch.kernel}(" in ptx, f"{what}: no .entry {launch.kernel} in the PTX"
+    assert f".target sm_{arch}" in ptx, f"{what}: PTX not targeting sm_{arch}"
+    cubin = compiled.asm["cubin"]
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF", f"{what}: no cubin"
+    assert compiled.metadata.num_warps == launch.num_warps
+    shared = compiled.metadata.shared
+    assert shared <= MAX_SHARED[arch], (f"{what}: {launch.kernel} needs {shared} bytes of shared memory, "
+                                        f"sm_{arch} allows {MAX_SHARED[arch]} (launch would raise OutOfResources)")
+    return ptx
+
+
+def _require_sweep(request):
+    if os.environ.get("DUALATTN_COMPILE_SWEEP") != "1" and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("compile sweep: run with -m slow or DUALATTN_COMPILE_SWEEP=1")
+
+
+def _run_case(variant, kernel, arch, specialize="torch"):
+    launch, dtypes = variant.launch(kernel, arch)
+    what = f"{variant.name} [{specialize} specialisation]"
+    compiled = _compile(launch, dtypes, arch, specialize, what)
+    ptx = _check_binary(compiled, launch, arch, what)
+    if kernel in DOT_KERNELS:
+        assert "mma" in ptx, f"{what}: {launch.kernel} on sm_{arch} uses no tensor-core MMA"
+    return launch, ptx
+
+
+@pytest.mark.parametrize("variant, kernel, arch", _cases(FAST))
+def test_compile(variant, kernel, arch):
+    _run_case(variant, kernel, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, kernel, arch", _cases(SLOW))
+def test_compile_sweep(variant, kernel, arch, request):
+    _require_sweep(request)
+    _run_case(variant, kernel, arch)
+
+
+def test_hopper_forward_uses_wgmma():
+    """The sm_90 bf16 forward with 128-row tiles must use Hopper's warpgroup MMA, not mma.sync."""
+    launch, ptx = _run_case(FAST[0], "fwd", 90)
+    assert launch.constexpr_dict["BLOCK_M"] >= 64
+    assert "wgmma.mma_async" in ptx, "sm_90 bf16 forward fell back to mma.sync"
+
+
+# jax-triton 0.3.1 ignores do_not_specialize and turns every int argument equal to 1 into a
+# constexpr: group_size=1 (no GQA) and seqlen_q=1 (decode) compile a different variant there.
+JAX_CASES = [pytest.param(v, k, 90, id=f"sm90-{k}-{v.name}")
+             for v, kernels in ((FAST[0], ("fwd", "dkdv")), (FAST[5], KERNELS)) for k in kernels]
+
+
+def _jax_case(variant, kernel, arch):
+    launch, dtypes = variant.launch(kernel, arch)
+    sig, _, _ = compile_check.signature_of(launch, dtypes, specialize="jax")
+    ones = [n for n, v in launch.scalars if v == 1 and not isinstance(v, float)]
+    assert all(sig[n] == "constexpr" for n in ones)
+    _run_case(variant, kernel, arch, specialize="jax")
+
+
+@pytest.mark.parametrize("variant, kernel, arch", JAX_CASES)
+def test_compile_jax_specialisation(variant, kernel, arch):
+    _jax_case(variant, kernel, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, kernel, arch", _cases(FAST))
+def test_compile_jax_specialisation_sweep(variant, kernel, arch, request):
+    _require_sweep(request)
+    _jax_case(variant, kernel, arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape", [(2, 4, 128, 128), (1, 3, 100, 37), (1, 1, 1, 16)], ids=str)
+def test_compile_dropout_mask(shape, arch):
+    batch, heads, sq, sk = shape
+    launch = flash_plan.plan_dropout_mask(batch, heads, sq, sk, 0.1, 1234)
+    what = f"dropout mask {shape}"
+    compiled = _compile(launch, {}, arch, "torch", what)
+    _check_binary(compiled, launch, arch, what)
+
+
+# ---- the signature is what Triton's own launcher would build (no compilation; cheap) ----
+def _jit_signature(launch, dtypes, arch=90):
+    """(signature, constexprs by name, non-empty attrs) from JITFunction's own binder, as a torch launch."""
+    try:
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:  # internal API: skip rather than fail on another Triton version
+        pytest.skip(f"Triton internals moved: {e}")
+    fn = compile_check.kernel_function(launch)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    dummy = dtypes[launch.inputs[0]] if launch.inputs else None
+
+    def ptr(dtype):  # a 16-byte-aligned device array, as torch's allocator returns
+        return types.SimpleNamespace(data_ptr=lambda: 256, dtype=compile_check.triton_type(dtype))
+
+    out_dtype = lambda spec: dtypes.get(spec[5:], dummy) if spec.startswith("like:") else spec
+    args = ([ptr(dtypes.get(n, dummy)) for n in launch.inputs] + [v for _, v in launch.scalars]
+            + [ptr(out_dtype(o.dtype)) for o in launch.outputs])
+    kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    bound, spec, options = binder(*args, **kwargs)
+    _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    names = list(fn.arg_names)
+    return (dict(signature), {names[k[0]]: v for k, v in constexprs.items()},
+            {k: v for k, v in attrs.items() if v})
+
+
+@pytest.mark.parametrize("variant", FAST, ids=lambda v: v.name)
+def test_signature_matches_triton_launcher(variant):
+    fwd, bwd, dtypes = variant.build(90)
+    for launch in (fwd, bwd.preprocess, bwd.dkdv, bwd.dq):
+        try:
+            expected = _jit_signature(launch, dtypes)
+        except (AttributeError, TypeError) as e:
+            pytest.skip(f"Triton internals differ: {e}")
+        got = compile_check.signature_of(launch, dtypes, specialize="torch")
+        assert got[0] == expected[0], launch.kernel
+        assert got[1] == expected[1], launch.kernel
+        assert got[2] == expected[2], launch.kernel
+
+
+def test_plan_kernel_mismatch_is_reported():
+    fwd, _, dtypes = FAST[0].build(90)
+    broken = dataclasses.replace(fwd, scalars=fwd.scalars[1:])
+    with pytest.raises(ValueError, match="flash_fwd_kernel"):
+        compile_check.signature_of(broken, dtypes)
