@@ -4,10 +4,11 @@
 `dualattn.torch_api` and `dualattn.jax_api` and import their framework on use.
 """
 from .options import FlashOptions, canonical_window
+from .sparse import SparseMask
 
 __version__ = "0.1.0"
 
-__all__ = ["FlashOptions", "canonical_window", "flash_attention", "__version__"]
+__all__ = ["FlashOptions", "SparseMask", "canonical_window", "flash_attention", "__version__"]
 
 
 def flash_attention(query, key, value, **kwargs):

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import executor
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32
 from ..options import FlashOptions
@@ -44,6 +45,21 @@ def _cpu_upcast(t: Optional[Tensor]) -> Optional[Tensor]:
     return t
 
 
+_TENSOR_ARGS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
+                "softmax_aux", "cu_seqlens_q", "cu_seqlens_k") + flash_plan.SPARSE_INPUTS
+_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
+                "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift", "sparse_block_q", "sparse_block_k")
+
+
+def _sparse(a: dict, kv_count, kv_index, q_order, q_count, q_index, k_order, block_q: int, block_k: int):
+    """Add the block-sparse lists to the launch inputs and describe the layout (None: dense)."""
+    if kv_count is None:
+        return None
+    a.update(zip(flash_plan.SPARSE_INPUTS, (kv_count, kv_index, q_order, q_count, q_index, k_order)))
+    lb, lh, nq, nk = kv_index.shape
+    return flash_plan.SparseInfo(lb, lh, nq, nk, block_q, block_k)
+
+
 def _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
             cu_seqlens_q, cu_seqlens_k) -> dict:
     return {"query": _cpu_upcast(query), "key": _cpu_upcast(key), "value": _cpu_upcast(value),
@@ -62,10 +78,16 @@ def _shapes(a: dict, max_seqlen_q: int, max_seqlen_k: int):
 
 
 def _config(shapes, options, device):
+    # override -> memory -> disk cache (shared with jax) -> autotune (DUALATTN_AUTOTUNE=1) -> plan.default_config
     if device.type == "cpu":
-        return flash_plan.default_config(shapes, interpret=True)
+        return executor.select_config("flash", platform="cpu", backend="triton-interpret", device_name="cpu",
+                                      shapes=shapes, options=options)
     major, minor = torch.cuda.get_device_capability(device)
-    return flash_plan.default_config(shapes, interpret=False, arch=major * 10 + minor, causal=options.causal)
+    from ._autotune import flash_autotune_fn
+    return executor.select_config("flash", platform="cuda", backend="triton",
+                                  device_name=torch.cuda.get_device_name(device), arch=major * 10 + minor,
+                                  shapes=shapes, options=options,
+                                  autotune_fn=flash_autotune_fn(shapes, options, device))
 
 
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
@@ -77,30 +99,35 @@ def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Ten
 @torch.library.custom_op("dualattn::flash_fwd", mutates_args=(), device_types=("cpu", "cuda"))
 def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor], attention_mask: Optional[Tensor],
               q_segment_ids: Optional[Tensor], kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor],
-              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], sparse_kv_count: Optional[Tensor],
+              sparse_kv_index: Optional[Tensor], sparse_q_order: Optional[Tensor], sparse_q_count: Optional[Tensor],
+              sparse_q_index: Optional[Tensor], sparse_k_order: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
-              dropout_prob: float, dropout_seed: int, diag_shift: int) -> Tuple[Tensor, Tensor]:
+              dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
+              sparse_block_k: int) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
     a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
                 cu_seqlens_q, cu_seqlens_k)
+    sparse = _sparse(a, sparse_kv_count, sparse_kv_index, sparse_q_order, sparse_q_count, sparse_q_index,
+                     sparse_k_order, sparse_block_q, sparse_block_k)
     shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
     options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
     out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
     launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}),
-                                     config=_config(shapes, options, query.device), diag_shift=diag_shift)
+                                     config=_config(shapes, options, query.device), diag_shift=diag_shift,
+                                     sparse=sparse)
     a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"]
 
 
 @flash_fwd.register_fake
-def _(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, cu_seqlens_q,
-      cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, logits_soft_cap,
-      dropout_prob, dropout_seed, diag_shift):
-    shapes = _shapes(_inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-                             cu_seqlens_q, cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+def _(*args):
+    named = dict(zip(_TENSOR_ARGS + _STATIC_ARGS, args))
+    shapes = _shapes(_inputs(*(named[n] for n in _TENSOR_ARGS[:10])), named["max_seqlen_q"], named["max_seqlen_k"])
     lse_shape = (shapes.heads_q, shapes.total_q) if shapes.varlen else (shapes.batch, shapes.heads_q,
                                                                         shapes.seqlen_q)
+    query = named["query"]
     return (query.new_empty(flash_plan.out_shape(shapes)),
             query.new_empty(lse_shape, dtype=torch.float32))
 
@@ -109,12 +136,17 @@ def _(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, so
 def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor,
               bias: Optional[Tensor], attention_mask: Optional[Tensor], q_segment_ids: Optional[Tensor],
               kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+              cu_seqlens_k: Optional[Tensor], sparse_kv_count: Optional[Tensor], sparse_kv_index: Optional[Tensor],
+              sparse_q_order: Optional[Tensor], sparse_q_count: Optional[Tensor], sparse_q_index: Optional[Tensor],
+              sparse_k_order: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
               window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
-              dropout_seed: int, diag_shift: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              dropout_seed: int, diag_shift: int, sparse_block_q: int,
+              sparse_block_k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads."""
     a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
                 cu_seqlens_q, cu_seqlens_k)
+    sparse = _sparse(a, sparse_kv_count, sparse_kv_index, sparse_q_order, sparse_q_count, sparse_q_index,
+                     sparse_k_order, sparse_block_q, sparse_block_k)
     shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
     options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
     work_dtype = a["query"].dtype
@@ -123,7 +155,8 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
     dout = _cpu_upcast(dout).to(work_dtype).contiguous()
     a.update(out=out, dout=dout, lse=lse.contiguous())
     plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}),
-                                    config=_config(shapes, options, query.device), diag_shift=diag_shift)
+                                    config=_config(shapes, options, query.device), diag_shift=diag_shift,
+                                    sparse=sparse)
     a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
@@ -145,17 +178,12 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
 
 
 @flash_bwd.register_fake
-def _(dout, out, lse, query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-      cu_seqlens_q, cu_seqlens_k, *static):
+def _(dout, out, lse, query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, *rest):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
             torch.empty_like(bias) if bias is not None else query.new_empty((0,)),
             torch.empty_like(softmax_aux) if softmax_aux is not None else query.new_empty((0,)))
 
 
-_TENSOR_ARGS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
-                "softmax_aux", "cu_seqlens_q", "cu_seqlens_k")
-_STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
-                "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift")
 
 
 def _setup_context(ctx, inputs, output):
@@ -223,7 +251,7 @@ def _resolve_seed(dropout_prob: float, dropout_seed: Optional[int]) -> int:
 
 def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux,
           q_segment_ids, kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse,
-          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0):
+          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, sparse=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -244,14 +272,28 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                                  dropout_prob=dropout_prob)
     (query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids,
      softmax_aux) = _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux)
+    sparse_tensors, block_q, block_k = (None,) * 6, 0, 0
+    if sparse is not None:  # a dualattn.SparseMask, validated by the block-sparse front end
+        sparse_tensors = _sparse_tensors(sparse, query.device)
+        block_q, block_k = sparse.block_q, sparse.block_k
     out, lse = flash_fwd(
         query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-        cu_seqlens_q, cu_seqlens_k, shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
+        cu_seqlens_q, cu_seqlens_k, *sparse_tensors, shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
         _NONE if options.window_left is None else options.window_left,
         _NONE if options.window_right is None else options.window_right,
         options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
-        int(diag_shift))
+        int(diag_shift), block_q, block_k)
     return (out, lse) if return_lse else out
+
+
+def _sparse_tensors(layout, device) -> tuple:
+    """The layout's block lists on `device`, uploaded once and cached on the layout."""
+    key = ("torch", str(device))
+    if key not in layout.device_cache:
+        arrays = layout.arrays()
+        layout.device_cache[key] = tuple(torch.as_tensor(arrays[n], device=device)
+                                         for n in flash_plan.SPARSE_INPUTS)
+    return layout.device_cache[key]
 
 
 def flash_attention(query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: Optional[float] = None,

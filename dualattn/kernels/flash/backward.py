@@ -86,7 +86,7 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
+def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
                 Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
@@ -95,12 +95,17 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
-    # the dV and dK products consume, with no register transposes.
+    # the dV and dK products consume, with no register transposes.  [lo, hi) are query
+    # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_m in range(lo, hi, BLOCK_M):
+    for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_M):
+        if BLOCK_SPARSE:
+            start_m = tl.load(BLOCK_LIST + it) * BLOCK_M
+        else:
+            start_m = it
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
@@ -135,11 +140,14 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
 
 @triton.jit(do_not_specialize=BWD_DKDV_INTS)
 def flash_bwd_dkdv_kernel(
-    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED, DO, LSE, DELTA,
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
+    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
+    DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -149,7 +157,7 @@ def flash_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -167,6 +175,10 @@ def flash_bwd_dkdv_kernel(
         seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
         k_start = tl.load(CU_SEQLENS_K + b)
         seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    if BLOCK_SPARSE:
+        # Busiest key blocks first (ordered by the group's first query head).
+        layout_k = b.to(tl.int64) * sparse_kstride_b + (h_kv * group_size) * sparse_kstride_h
+        pid_n = tl.load(SPARSE_K_ORDER + layout_k + pid_n)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
@@ -189,10 +201,18 @@ def flash_bwd_dkdv_kernel(
         k_seg = tl.load(KSEG + b64 * seg_stride_kb + offs_n, mask=offs_n < seqlen_k, other=-1)
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
-    start, full_start, full_end, end = query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
-                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if not BLOCK_SPARSE:
+        start, full_start, full_end, end = query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                       BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        BLOCK_LIST = SPARSE_Q_INDEX  # unused
     for g in range(0, group_size):
         h = h_kv * group_size + g
+        if BLOCK_SPARSE:
+            # The whole list of this head's active query blocks, position-masked.
+            layout_k = b64 * sparse_kstride_b + h * sparse_kstride_h + pid_n
+            n_active = tl.load(SPARSE_Q_COUNT + layout_k)
+            start, full_start, full_end, end = 0, n_active, n_active, n_active
+            BLOCK_LIST = SPARSE_Q_INDEX + layout_k * num_q_blocks
         batch_head = b * num_heads_q + h
         Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
         DO_HEAD = DO + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
@@ -206,13 +226,14 @@ def flash_bwd_dkdv_kernel(
             lo = start if segment == 0 else (full_start if segment == 1 else full_end)
             hi = full_start if segment == 0 else (full_end if segment == 1 else end)
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, k_seg, offs_n, lo, hi, batch_head,
+                dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
                 Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                 dropout_seed, dropout_threshold, dropout_scale,
                 segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION)
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                BLOCK_SPARSE)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
@@ -223,7 +244,7 @@ def flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
+def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
               K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
               stride_ks, stride_vs, bias_stride_s, mask_stride_s,
               seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
@@ -232,10 +253,14 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
+        if BLOCK_SPARSE:
+            start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
+        else:
+            start_n = it
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
@@ -261,11 +286,14 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
 
 @triton.jit(do_not_specialize=BWD_DQ_INTS)
 def flash_bwd_dq_kernel(
-    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED, DO, LSE, DELTA,
+    Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
+    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
+    DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dqb, stride_dqs, stride_dqh,
@@ -274,7 +302,7 @@ def flash_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -292,6 +320,9 @@ def flash_bwd_dq_kernel(
         seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
         k_start = tl.load(CU_SEQLENS_K + b)
         seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    if BLOCK_SPARSE:
+        layout_q = b.to(tl.int64) * sparse_stride_b + h * sparse_stride_h
+        pid_m = tl.load(SPARSE_Q_ORDER + layout_q + pid_m)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -321,18 +352,25 @@ def flash_bwd_dq_kernel(
     MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
     KSEG_ROW = KSEG + b64 * seg_stride_kb
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if BLOCK_SPARSE:
+        n_active = tl.load(SPARSE_KV_COUNT + layout_q + pid_m)
+        start, full_start, full_end, end = 0, n_active, n_active, n_active
+        BLOCK_LIST = SPARSE_KV_INDEX + (layout_q + pid_m) * num_k_blocks
+    else:
+        start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        BLOCK_LIST = SPARSE_KV_INDEX  # unused
     for segment in tl.static_range(3):
         lo = start if segment == 0 else (full_start if segment == 1 else full_end)
         hi = full_start if segment == 0 else (full_end if segment == 1 else end)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi,
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
                        K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
                        stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                        seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                        dropout_threshold, dropout_scale,
                        segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION)
+                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                       BLOCK_SPARSE)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
     tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),

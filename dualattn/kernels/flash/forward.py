@@ -13,7 +13,7 @@ from .rules import FWD_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
+def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
                K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                seqlen_q, seqlen_k, diag, window_left, window_right,
@@ -22,10 +22,16 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+    # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
+    # BLOCK_LIST, the active key blocks of this query block.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
+        if BLOCK_SPARSE:
+            start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
+        else:
+            start_n = it
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
@@ -64,10 +70,12 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
 @triton.jit(do_not_specialize=FWD_INTS)
 def flash_fwd_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
+    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     O, LSE,
@@ -75,7 +83,7 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -94,6 +102,10 @@ def flash_fwd_kernel(
         seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
         k_start = tl.load(CU_SEQLENS_K + b)
         seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    if BLOCK_SPARSE:
+        # Busiest query blocks first (load balance); the layout may broadcast over batch/heads.
+        layout_q = b.to(tl.int64) * sparse_stride_b + h * sparse_stride_h
+        pid_m = tl.load(SPARSE_Q_ORDER + layout_q + pid_m)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -133,21 +145,29 @@ def flash_fwd_kernel(
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
 
-    start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if BLOCK_SPARSE:
+        # The whole list of active key blocks, position-masked (the layout is user-given).
+        n_active = tl.load(SPARSE_KV_COUNT + layout_q + pid_m)
+        start, full_start, full_end, end = 0, n_active, n_active, n_active
+        BLOCK_LIST = SPARSE_KV_INDEX + (layout_q + pid_m) * num_k_blocks
+    else:
+        start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        BLOCK_LIST = SPARSE_KV_INDEX  # unused
     for segment in tl.static_range(3):
         # Edge tiles [start, full_start) and [full_end, end) need the position mask; the
         # interior [full_start, full_end) does not.
         lo = start if segment == 0 else (full_start if segment == 1 else full_end)
         hi = full_start if segment == 0 else (full_end if segment == 1 else end)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi,
+            acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
             K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
             stride_ks, stride_vs, bias_stride_s, mask_stride_s,
             seqlen_q, seqlen_k, diag, window_left, window_right,
             sm_scale, softcap, dropout_threshold, dropout_scale,
             segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+            BLOCK_SPARSE)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0

@@ -16,8 +16,31 @@ from ...options import FlashOptions
 from ...validation import FlashShapes
 from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
 
+SPARSE_INPUTS = ("sparse_kv_count", "sparse_kv_index", "sparse_q_order", "sparse_q_count", "sparse_q_index",
+                 "sparse_k_order")
 FWD_INPUTS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
-              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed")
+              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed") + SPARSE_INPUTS
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseInfo:
+    """The shape of a block-sparse layout (dualattn.SparseMask) as the kernels need it.
+
+    Layout arrays are (layout_batch, layout_heads, n_blocks[, n_blocks]); a size-1 batch or
+    head dim broadcasts.  The kernels' tiles are the layout's blocks.
+    """
+
+    layout_batch: int
+    layout_heads: int
+    num_q_blocks: int
+    num_k_blocks: int
+    block_q: int
+    block_k: int
+
+    def config(self) -> "FlashConfig":
+        big = max(self.block_q, self.block_k) >= 128
+        t = TileConfig(self.block_q, self.block_k, 8 if big else 4, 2 if big else 3)
+        return FlashConfig(t, t, t)
 BWD_INPUTS = FWD_INPUTS + ("out", "dout", "lse", "delta")
 
 
@@ -100,8 +123,19 @@ def _seq_strides(strides: Tuple[int, ...], varlen: bool) -> Tuple[int, int, int]
     return strides[0], strides[1], strides[2]
 
 
+def _sparse_scalars(sparse: Optional[SparseInfo]):
+    if sparse is None:
+        return (("sparse_stride_b", 0), ("sparse_stride_h", 0), ("sparse_kstride_b", 0), ("sparse_kstride_h", 0),
+                ("num_q_blocks", 0), ("num_k_blocks", 0))
+    nq, nk = sparse.num_q_blocks, sparse.num_k_blocks
+    per_batch, per_head = sparse.layout_batch > 1, sparse.layout_heads > 1
+    return (("sparse_stride_b", sparse.layout_heads * nq if per_batch else 0), ("sparse_stride_h", nq if per_head else 0),
+            ("sparse_kstride_b", sparse.layout_heads * nk if per_batch else 0),
+            ("sparse_kstride_h", nk if per_head else 0), ("num_q_blocks", nq), ("num_k_blocks", nk))
+
+
 def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]],
-                    diag_shift: int):
+                    diag_shift: int, sparse: Optional[SparseInfo] = None):
     varlen = shapes.varlen
     qb, qs, qh = _seq_strides(strides["query"], varlen)
     kb, ks, kh = _seq_strides(strides["key"], varlen)
@@ -134,6 +168,7 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("bias_stride_b", bias_b), ("bias_stride_h", bias_h), ("bias_stride_s", bias_s),
         ("mask_stride_b", mask_b), ("mask_stride_h", mask_h), ("mask_stride_s", mask_s),
         ("seg_stride_qb", seg_qb), ("seg_stride_kb", seg_kb), ("sinks_stride_h", sinks_h),
+    ) + _sparse_scalars(sparse) + (
         ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
         ("num_heads_q", shapes.heads_q), ("group_size", shapes.group_size), ("diag_shift", int(diag_shift)),
         ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
@@ -154,6 +189,7 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("HAS_DROPOUT", p > 0.0), ("IS_VARLEN", shapes.varlen),
         # fp32 inputs: 3xTF32 dots keep fp32 accuracy; 16-bit inputs ignore this.
         ("DOT_PRECISION", "tf32x3" if shapes.dtype == "float32" else "tf32"),
+        ("BLOCK_SPARSE", sparse is not None),
     )
     return scalars, constexprs
 
@@ -171,12 +207,15 @@ def out_shape(shapes: FlashShapes):
 
 
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
-                 config: FlashConfig, diag_shift: int = 0) -> Launch:
+                 config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
+    With `sparse`, the kernels walk the layout's block lists (inputs SPARSE_INPUTS) and the
+    tiles are the layout's blocks.
     """
-    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift)
+    config = sparse.config() if sparse is not None else config
+    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     t = config.fwd
     return Launch(
         module="flash.forward", kernel="flash_fwd_kernel",
@@ -199,9 +238,10 @@ class BackwardPlan:
 
 
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
-                  config: FlashConfig, diag_shift: int = 0) -> BackwardPlan:
+                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout)."""
-    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift)
+    config = sparse.config() if sparse is not None else config
+    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     scalar = dict(scalars)
     varlen = shapes.varlen
     const = dict(constexprs)

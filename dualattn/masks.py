@@ -1,0 +1,120 @@
+"""Block-map builders for block-sparse attention; combine with `|` (union) and `&` (intersection).
+
+A builder is called as builder(batch, heads, seqlen_q, seqlen_k, block_q, block_k) and returns a
+boolean block map (B or 1, H or 1, ceil(Sq/block_q), ceil(Sk/block_k)); a block is active if
+any token pair inside it is allowed.  Token-level rules (causal, window, segments) are still
+applied inside active blocks by the kernels, so builders only need to be conservative.
+Positions follow flash_attention: query i sits at i + (Sk - Sq) (bottom-right alignment).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .sparse import as_numpy
+
+
+class MaskBuilder:
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+
+    def __call__(self, batch, heads, seqlen_q, seqlen_k, block_q, block_k) -> np.ndarray:
+        bm = np.asarray(self.fn(batch, heads, seqlen_q, seqlen_k, block_q, block_k), dtype=bool)
+        while bm.ndim < 4:
+            bm = bm[None]
+        return bm
+
+    def __or__(self, other):
+        other = as_builder(other)
+        return MaskBuilder(lambda *a: self(*a) | other(*a), f"({self.name} | {other.name})")
+
+    def __and__(self, other):
+        other = as_builder(other)
+        return MaskBuilder(lambda *a: self(*a) & other(*a), f"({self.name} & {other.name})")
+
+    def __repr__(self):
+        return f"MaskBuilder({self.name})"
+
+
+def as_builder(obj) -> MaskBuilder:
+    if isinstance(obj, MaskBuilder):
+        return obj
+    if callable(obj):
+        return MaskBuilder(obj, getattr(obj, "__name__", "callable"))
+    raise TypeError(f"mask_builder must be a MaskBuilder or a callable returning a block map, got {type(obj)}")
+
+
+def _band(seqlen_q, seqlen_k, block_q, block_k, left, right):
+    """Blocks holding any pair with -left <= kpos - qpos <= right (None: unbounded)."""
+    nq, nk = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    shift = seqlen_k - seqlen_q
+    q_lo = np.arange(nq) * block_q + shift
+    q_hi = np.minimum((np.arange(nq) + 1) * block_q, seqlen_q) - 1 + shift
+    k_lo = np.arange(nk) * block_k
+    k_hi = np.minimum((np.arange(nk) + 1) * block_k, seqlen_k) - 1
+    ok = np.ones((nq, nk), dtype=bool)
+    if right is not None:  # some pair with kpos <= qpos + right
+        ok &= k_lo[None, :] <= q_hi[:, None] + right
+    if left is not None:  # some pair with kpos >= qpos - left
+        ok &= k_hi[None, :] >= q_lo[:, None] - left
+    return ok
+
+
+def causal() -> MaskBuilder:
+    return MaskBuilder(lambda b, h, sq, sk, bq, bk: _band(sq, sk, bq, bk, None, 0), "causal")
+
+
+def local(window) -> MaskBuilder:
+    """Sliding window: int w -> (w, w) or (left, right), around the bottom-right diagonal."""
+    left, right = (window, window) if isinstance(window, int) else window
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        raise ValueError(f"local window sides must be >= 0, got {window}")
+    return MaskBuilder(lambda b, h, sq, sk, bq, bk: _band(sq, sk, bq, bk, left, right), f"local({window})")
+
+
+def strided(stride: int) -> MaskBuilder:
+    """Key block j is active for query block i when (i - j) % stride == 0 (block-level stride)."""
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+
+    def fn(b, h, sq, sk, bq, bk):
+        nq, nk = -(-sq // bq), -(-sk // bk)
+        return (np.arange(nq)[:, None] - np.arange(nk)[None, :]) % stride == 0
+    return MaskBuilder(fn, f"strided({stride})")
+
+
+def global_tokens(n: int) -> MaskBuilder:
+    """The first n keys are seen by every query, and the first n queries see every key."""
+    if n < 0:
+        raise ValueError(f"global_tokens needs n >= 0, got {n}")
+
+    def fn(b, h, sq, sk, bq, bk):
+        nq, nk = -(-sq // bq), -(-sk // bk)
+        ok = np.zeros((nq, nk), dtype=bool)
+        ok[:, :-(-n // bk)] = n > 0
+        ok[:-(-n // bq), :] = n > 0
+        return ok
+    return MaskBuilder(fn, f"global_tokens({n})")
+
+
+def document(segment_ids) -> MaskBuilder:
+    """Blocks where some query and key share a segment id; segment_ids (B, S) (self-attention)."""
+    seg = as_numpy(segment_ids)
+    if seg.ndim != 2:
+        raise ValueError(f"segment_ids must be (batch, seq_len), got shape {seg.shape}")
+
+    def fn(b, h, sq, sk, bq, bk):
+        if seg.shape[1] != sq or sq != sk:
+            raise ValueError(f"document(): segment_ids length {seg.shape[1]} must equal Sq = Sk ({sq}, {sk})")
+        nq, nk = -(-sq // bq), -(-sk // bk)
+        ids = np.unique(seg)
+        # [B, n_ids, blocks]: which ids occur in each block
+        qhas = np.zeros((seg.shape[0], ids.size, nq), dtype=bool)
+        khas = np.zeros((seg.shape[0], ids.size, nk), dtype=bool)
+        pos = np.searchsorted(ids, seg)
+        for bi in range(seg.shape[0]):
+            qhas[bi, pos[bi], np.arange(sq) // bq] = True
+            khas[bi, pos[bi], np.arange(sk) // bk] = True
+        return np.einsum("bip,biq->bpq", qhas, khas)[:, None]
+    return MaskBuilder(fn, "document")

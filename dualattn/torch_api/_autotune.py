@@ -1,0 +1,96 @@
+"""The torch side of opt-in autotuning (DUALATTN_AUTOTUNE=1): times flash tile candidates on the GPU.
+
+`flash_autotune_fn(shapes, options, device)` is what `_config` hands to `executor.select_config`; the
+executor calls it with its candidate FlashConfigs only on a cache miss with autotuning on, and caches
+the result in memory and in the file jax reads too.  Inputs are synthetic with the call's shapes and
+features.  Forward tiles are timed on the forward, backward (dK/dV, dQ) pairs on the backward, so
+the best of each is combined (as benchmarks/tune_flash.py does).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .. import executor
+from ..kernels.flash.plan import FlashConfig
+from ..validation import FlashShapes
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    import triton.testing
+    fn()  # compile outside the timed region
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def flash_autotune_fn(shapes: FlashShapes, options, device) -> Callable[[Sequence[FlashConfig]], Optional[FlashConfig]]:
+    return functools.partial(_tune, shapes, options, device)
+
+
+def _synthetic_call(shapes: FlashShapes, options, device):
+    """(run(), inputs that take gradients): one attention call with the shapes and features of the real one."""
+    from .flash import flash_attention, flash_attn_varlen_func
+    dtype = getattr(torch, shapes.dtype)
+    b, hq, hkv, sq, sk = shapes.batch, shapes.heads_q, shapes.heads_kv, shapes.seqlen_q, shapes.seqlen_k
+
+    def randn(*shape, dt=dtype, grad=True):
+        return torch.randn(shape, dtype=dt, device=device).requires_grad_(grad)
+
+    lead_q, lead_k = ((shapes.total_q,), (shapes.total_k,)) if shapes.varlen else ((b, sq), (b, sk))
+    q, k, v = randn(*lead_q, hq, shapes.head_dim), randn(*lead_k, hkv, shapes.head_dim), \
+        randn(*lead_k, hkv, shapes.head_dim_v)
+    kw = dict(softmax_scale=options.softmax_scale, logits_soft_cap=options.logits_soft_cap,
+              sliding_window=(-1 if options.window_left is None else options.window_left,
+                              -1 if options.window_right is None else options.window_right),
+              dropout_prob=options.dropout_prob, dropout_seed=0 if options.dropout_prob else None)
+    if shapes.num_sinks:
+        kw["softmax_aux"] = randn(*((hq, shapes.num_sinks) if shapes.sinks_per_head else (shapes.num_sinks,)),
+                                  dt=torch.float32, grad=False)
+    if shapes.varlen:
+        def cu(total):
+            lens = [total // b + (i < total % b) for i in range(b)]
+            return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+        return (lambda: flash_attn_varlen_func(q, k, v, cu(shapes.total_q), cu(shapes.total_k), sq, sk, **kw)), (q, k, v)
+    if shapes.has_bias:
+        kw["bias"] = randn(1 if shapes.bias_bcast_batch else b, 1 if shapes.bias_bcast_head else hq, sq, sk,
+                           grad=False)
+    if shapes.has_mask:
+        kw["attention_mask"] = torch.ones((1 if shapes.mask_bcast_batch else b, 1 if shapes.mask_bcast_head else hq,
+                                           sq, sk), dtype=torch.bool, device=device)
+    if shapes.has_segments:
+        kw.update(q_segment_ids=torch.zeros((b, sq), dtype=torch.int32, device=device),
+                  kv_segment_ids=torch.zeros((b, sk), dtype=torch.int32, device=device))
+    return (lambda: flash_attention(q, k, v, **kw)), (q, k, v)
+
+
+def _tune(shapes: FlashShapes, options, device, candidates: Sequence[FlashConfig],
+          timer: Callable[[Callable[[], object]], float] = _bench) -> Optional[FlashConfig]:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None  # no timing inside a CUDA graph capture: the heuristic config serves this call
+    base = candidates[0]
+    fwd_tiles = list(dict.fromkeys(c.fwd for c in candidates))
+    bwd_tiles = list(dict.fromkeys((c.bwd_dkdv, c.bwd_dq) for c in candidates))
+
+    def timed(config: FlashConfig, fn) -> float:
+        try:
+            with executor.override(config, algorithm="flash"):
+                return timer(fn)
+        except Exception:  # a tile that does not fit (shared memory, registers) is out
+            return math.inf
+
+    # _config may run inside the forward op, under autograd's no_grad: the backward timing needs grad.
+    with torch.enable_grad():
+        run, inputs = _synthetic_call(shapes, options, device)
+        with torch.no_grad():
+            fwd_ms = [timed(FlashConfig(t, base.bwd_dkdv, base.bwd_dq), run) for t in fwd_tiles]
+        with executor.override(base, algorithm="flash"):
+            out = run()
+        dout = torch.randn_like(out)
+        bwd_ms = [timed(FlashConfig(base.fwd, dkdv, dq),
+                        lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)) for dkdv, dq in bwd_tiles]
+    if min(fwd_ms) == math.inf or min(bwd_ms) == math.inf:
+        return None
+    (dkdv, dq) = bwd_tiles[bwd_ms.index(min(bwd_ms))]
+    return FlashConfig(fwd_tiles[fwd_ms.index(min(fwd_ms))], dkdv, dq)
