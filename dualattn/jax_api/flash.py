@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import executor
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32, row_major_strides
 from ..options import FlashOptions
+from ..sparse import sparse_info
 from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args
 from . import _launch
 
@@ -34,6 +36,7 @@ class _Static:
     options: FlashOptions
     config: flash_plan.FlashConfig
     diag_shift: int = 0
+    sparse: Optional[flash_plan.SparseInfo] = None  # block-sparse layout; its lists are in the arrays
 
 
 def _strides(arrays: dict) -> dict:
@@ -44,7 +47,7 @@ def _forward(static: _Static, arrays: dict):
     out_shape = flash_plan.out_shape(static.shapes)
     launch = flash_plan.plan_forward(static.shapes, static.options,
                                      {**_strides(arrays), "out": row_major_strides(out_shape)},
-                                     config=static.config, diag_shift=static.diag_shift)
+                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse)
     res = _launch.run(launch, arrays)
     return res["out"], res["lse"]
 
@@ -64,7 +67,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     dout, _ = cotangents  # lse is returned for merging/inspection; its cotangent is not propagated
     shapes = static.shapes
     plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
-                                    config=static.config, diag_shift=static.diag_shift)
+                                    config=static.config, diag_shift=static.diag_shift, sparse=static.sparse)
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
@@ -101,6 +104,13 @@ def _seed_array(dropout_prob: float, dropout_seed):
     return jax.lax.bitcast_convert_type(seed.reshape(1).astype(jnp.uint32), jnp.int32)
 
 
+def _sparse_arrays(layout) -> dict:
+    """The layout's block lists as jax arrays, made once per layout."""
+    if "jax" not in layout.device_cache:
+        layout.device_cache["jax"] = {n: jnp.asarray(a) for n, a in layout.arrays().items()}
+    return layout.device_cache["jax"]
+
+
 def _resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -111,14 +121,19 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:
+    # override -> memory -> disk cache (shared with torch, which autotunes) -> plan.default_config
     if _launch._on_gpu(query):
-        return flash_plan.default_config(shapes, interpret=False, arch=_launch.gpu_arch(), causal=options.causal)
-    return flash_plan.default_config(shapes, interpret=True)
+        return executor.select_config("flash", platform="cuda", backend="triton",
+                                      device_name=jax.devices("gpu")[0].device_kind, arch=_launch.gpu_arch(),
+                                      shapes=shapes, options=options)
+    return executor.select_config("flash", platform="cpu", backend="triton-interpret", device_name="cpu",
+                                  shapes=shapes, options=options)
 
 
 def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, q_segment_ids,
           kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse, backend,
-          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, xla_options=None):
+          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, xla_options=None,
+          sparse=None):
     check_dropout(dropout_prob, dropout_seed)
     shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
@@ -141,7 +156,11 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       dropout_seed=_seed_array(dropout_prob, dropout_seed))
-        static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift))
+        info = None
+        if sparse is not None:  # a dualattn.SparseMask, validated by the block-sparse front end
+            arrays.update(_sparse_arrays(sparse))
+            info = sparse_info(sparse)
+        static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift), info)
         out, lse = _flash_triton(static, arrays)
         return (out, lse) if return_lse else out
     if diag_shift:
