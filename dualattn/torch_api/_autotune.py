@@ -8,8 +8,10 @@ the best of each is combined (as benchmarks/tune_flash.py does).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -52,7 +54,8 @@ def _synthetic_call(shapes: FlashShapes, options, device):
         def cu(total):
             lens = [total // b + (i < total % b) for i in range(b)]
             return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-        return (lambda: flash_attn_varlen_func(q, k, v, cu(shapes.total_q), cu(shapes.total_k), sq, sk, **kw)), (q, k, v)
+        cu_q, cu_k = cu(shapes.total_q), cu(shapes.total_k)
+        return (lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, sq, sk, **kw)), (q, k, v)
     if shapes.has_bias:
         kw["bias"] = randn(1 if shapes.bias_bcast_batch else b, 1 if shapes.bias_bcast_head else hq, sq, sk,
                            grad=False)
@@ -67,8 +70,32 @@ def _synthetic_call(shapes: FlashShapes, options, device):
 
 def _tune(shapes: FlashShapes, options, device, candidates: Sequence[FlashConfig],
           timer: Callable[[Callable[[], object]], float] = _bench) -> Optional[FlashConfig]:
+    """Best forward tile and best backward pair among the candidates (None: none of them ran).
+
+    Runs in a fresh thread: the executor calls this from inside the forward op, where the dispatcher
+    has autograd off for the calling thread (torch.enable_grad does not bring it back), and the
+    backward is timed through autograd like a user's call.
+    """
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None  # no timing inside a CUDA graph capture: the heuristic config serves this call
+    result = {}
+
+    def work():
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                result["best"] = _tune_here(shapes, options, device, candidates, timer)
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=work, name="dualattn-autotune")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["best"]
+
+
+def _tune_here(shapes, options, device, candidates, timer):
     base = candidates[0]
     fwd_tiles = list(dict.fromkeys(c.fwd for c in candidates))
     bwd_tiles = list(dict.fromkeys((c.bwd_dkdv, c.bwd_dq) for c in candidates))
@@ -80,17 +107,15 @@ def _tune(shapes: FlashShapes, options, device, candidates: Sequence[FlashConfig
         except Exception:  # a tile that does not fit (shared memory, registers) is out
             return math.inf
 
-    # _config may run inside the forward op, under autograd's no_grad: the backward timing needs grad.
-    with torch.enable_grad():
-        run, inputs = _synthetic_call(shapes, options, device)
-        with torch.no_grad():
-            fwd_ms = [timed(FlashConfig(t, base.bwd_dkdv, base.bwd_dq), run) for t in fwd_tiles]
-        with executor.override(base, algorithm="flash"):
-            out = run()
-        dout = torch.randn_like(out)
-        bwd_ms = [timed(FlashConfig(base.fwd, dkdv, dq),
-                        lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)) for dkdv, dq in bwd_tiles]
+    run, inputs = _synthetic_call(shapes, options, device)
+    with torch.no_grad():
+        fwd_ms = [timed(FlashConfig(t, base.bwd_dkdv, base.bwd_dq), run) for t in fwd_tiles]
+    with executor.override(base, algorithm="flash"):
+        out = run()
+    dout = torch.randn_like(out)
+    bwd_ms = [timed(FlashConfig(base.fwd, dkdv, dq), lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+              for dkdv, dq in bwd_tiles]
     if min(fwd_ms) == math.inf or min(bwd_ms) == math.inf:
         return None
-    (dkdv, dq) = bwd_tiles[bwd_ms.index(min(bwd_ms))]
+    dkdv, dq = bwd_tiles[bwd_ms.index(min(bwd_ms))]
     return FlashConfig(fwd_tiles[fwd_ms.index(min(fwd_ms))], dkdv, dq)

@@ -9,12 +9,14 @@ its data covers the batch / heads the layout broadcasts over (the "free" dims Fb
     layout (1, Hq, nq, nk):  rows = (q head, query block),    free = (B, 1, 1)
     layout (B, Hq, nq, nk):  rows = (b, q head, query block), free = (1, 1, 1)
 
-Each row visits its own list of key blocks (`kv_indices[..., :kv_counts]`).  Rows are grouped into a
-few buckets of similar count (power-of-two classes, busiest first) and every bucket runs one
-`lax.scan` over key-block *slots*: slot t of every row of the bucket gathers that row's t-th key block,
-all rows at once; slots past a row's count are masked.  So the work is the active blocks plus a bounded
-padding (< 2x per bucket), and no (Sq, Sk) array is ever built: the largest intermediates are the
-per-slot tiles (R, Fb, Fh, Fg, block_q, block_k).
+Each row visits its own list of key blocks (`kv_indices[..., :kv_counts]`).  Rows are grouped into at
+most three buckets of similar count (power-of-two classes, busiest first, merged while the padding they
+add stays small; a small layout is one bucket) and every bucket runs one `lax.scan` over key-block
+*slots*: slot t of every row of the bucket gathers that row's t-th key block, all rows at once; slots
+past a row's count are masked.  So the work is the active blocks plus a bounded padding (a skewed
+layout such as global tokens does not pad every row to the busiest one), rows with no active block
+cost nothing, and no (Sq, Sk) array is ever built: the largest intermediates are the per-slot tiles
+(R, Fb, Fh, Fg, block_q, block_k).
 
     block map (nq=3, nk=4)        rows, slots          bucket 0 (count 3..4): row 2, slots 0..2
         k: 0 1 2 3                q0: [0]              bucket 1 (count 1..2): rows 0, 1, slot 0..1
@@ -54,12 +56,43 @@ from .flash import (_NEG_INF, _Aux, _hashable_precision, _int_rows, _sink_grad_t
 
 __all__ = ["BlocksparseXlaConfig", "blocksparse_attention_xla"]
 
-_MAX_BUCKETS = 4   # rows grouped by count class; more buckets: less padding, more traced loops
-
-
 # --------------------------------------------------------------------------------------------------
 # static plan: rows, buckets, gathers (numpy, built once per (layout, problem size))
 # --------------------------------------------------------------------------------------------------
+_MAX_BUCKETS = 3           # at most this many scans (each is one more traced loop, fwd and bwd)
+_PADDING_BUDGET = 0.25     # padded slots a merge of count classes may add, as a fraction of the active ones
+_SMALL_WORK = 1 << 22      # logits of one padded bucket below which splitting is not worth a second loop
+
+
+def _group_rows(counts: np.ndarray, active: np.ndarray, tile_elements: int):
+    """Split the active rows into buckets (ascending row ids each), busiest first.
+
+    Rows fall into power-of-two count classes (c in (2^(k-1), 2^k]); walking the classes from the
+    busiest, a class joins the current bucket while the padding that adds stays within the budget,
+    otherwise it opens a new bucket (the last allowed bucket takes everything left).  A layout whose
+    single padded bucket is small runs as one bucket.
+    """
+    if active.size == 0:
+        return []
+    c = counts[active]
+    total = int(c.sum())
+    if active.size * int(c.max()) * tile_elements <= _SMALL_WORK:
+        return [active]
+    cls = np.ceil(np.log2(c)).astype(np.int64)
+    groups, slots, waste = [], 0, 0
+    for k in np.unique(cls)[::-1]:
+        members = cls == k
+        extra = int(members.sum()) * slots - int(c[members].sum())
+        if groups and (waste + extra <= _PADDING_BUDGET * total or len(groups) == _MAX_BUCKETS):
+            groups[-1] |= members
+            waste += extra
+        else:
+            groups.append(members)
+            slots = int(c[members].max())
+            waste += int(members.sum()) * slots - int(c[members].sum())
+    return [active[g] for g in groups]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Bucket:
     """Rows run together, padded to the same number of key-block slots.
@@ -93,17 +126,10 @@ class _Plan:
         self.free = (batch if lb == 1 else 1, heads_kv if lh == 1 else 1, group if lh == 1 else 1)
 
         counts = layout.kv_counts.reshape(-1).astype(np.int64)            # [Lb * Lh * nq]
-        indices = layout.kv_indices.reshape(-1, nk)
+        indices = layout.kv_indices.reshape(lb * lh * nq, nk)
         active = np.flatnonzero(counts > 0)
-        # power-of-two count classes, busiest first; the least busy classes share the last bucket
-        cls = np.ceil(np.log2(np.maximum(counts[active], 1))).astype(np.int64)
-        classes = np.unique(cls)[::-1]
-        if classes.size > _MAX_BUCKETS:
-            cls = np.maximum(cls, classes[_MAX_BUCKETS - 1])
-            classes = classes[:_MAX_BUCKETS]
         buckets = []
-        for c in classes:
-            rows = active[cls == c]                                       # ascending: gathers stay local
+        for rows in _group_rows(counts, active, self.block_q * self.block_k * int(np.prod(self.free))):
             slots = int(counts[rows].max())
             r_lb, r_lh, r_q = np.unravel_index(rows, (lb, lh, nq))
             col = (slice(None),) + (None,) * 3
