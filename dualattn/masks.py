@@ -67,7 +67,7 @@ def causal() -> MaskBuilder:
 
 def local(window) -> MaskBuilder:
     """Sliding window: int w -> (w, w) or (left, right), around the bottom-right diagonal."""
-    left, right = (window, window) if isinstance(window, int) else window
+    left, right = (int(window), int(window)) if np.ndim(window) == 0 else window
     if (left is not None and left < 0) or (right is not None and right < 0):
         raise ValueError(f"local window sides must be >= 0, got {window}")
     return MaskBuilder(lambda b, h, sq, sk, bq, bk: _band(sq, sk, bq, bk, left, right), f"local({window})")

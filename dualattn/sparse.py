@@ -34,6 +34,12 @@ def _pack(active: np.ndarray):
     return counts, idx
 
 
+def _runs(counts: np.ndarray, indices: np.ndarray) -> bool:
+    n = indices.shape[-1]
+    expected = indices[..., :1] + np.arange(n)
+    return bool(np.all((indices == expected) | (np.arange(n) >= counts[..., None])))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class SparseMask:
     block_map: np.ndarray
@@ -60,12 +66,21 @@ class SparseMask:
             if not np.issubdtype(bm.dtype, np.integer):
                 raise TypeError(f"block_map must be boolean (or 0/1 integers), got {bm.dtype}")
             bm = bm != 0
-        bm = np.ascontiguousarray(bm)
+        bm = np.array(bm, dtype=bool, order="C")  # a copy: later edits of the caller's map can't desync the lists
         kv_counts, kv_indices = _pack(bm)
         q_counts, q_indices = _pack(np.swapaxes(bm, -1, -2))
         q_order = np.argsort(-kv_counts, axis=-1, kind="stable").astype(np.int32)
         k_order = np.argsort(-q_counts, axis=-1, kind="stable").astype(np.int32)
         return cls(bm, int(block_q), int(block_k), kv_counts, kv_indices, q_counts, q_indices, q_order, k_order)
+
+    @property
+    def kv_rows_contiguous(self) -> bool:
+        """Every query block's active key blocks form one run (sliding windows, causal documents)."""
+        return _runs(self.kv_counts, self.kv_indices)
+
+    @property
+    def q_rows_contiguous(self) -> bool:
+        return _runs(self.q_counts, self.q_indices)
 
     def to_block_map(self) -> np.ndarray:
         return self.block_map.copy()
@@ -114,4 +129,5 @@ def resolve_layout(layout, mask_builder, *, batch: int, heads: int, seqlen_q: in
 def sparse_info(layout: SparseMask):
     from .kernels.flash.plan import SparseInfo
     lb, lh, nq, nk = layout.block_map.shape
-    return SparseInfo(lb, lh, nq, nk, layout.block_q, layout.block_k)
+    return SparseInfo(lb, lh, nq, nk, layout.block_q, layout.block_k, layout.kv_rows_contiguous,
+                      layout.q_rows_contiguous)

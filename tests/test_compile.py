@@ -63,6 +63,7 @@ class Variant:
     sinks_dtype: Optional[str] = None
     dropout: float = 0.0
     varlen: bool = False
+    sparse: Optional[Tuple[int, int]] = None  # block-sparse layout (block_q, block_k), one per head
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -102,10 +103,18 @@ class Variant:
                                      logits_soft_cap=self.softcap, dropout_prob=self.dropout)
         out = _array(flash_plan.out_shape(shapes), self.dtype)
         strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
-        config = flash_plan.default_config(shapes, interpret=False, arch=arch)
-        fwd = flash_plan.plan_forward(shapes, options, strides, config=config)
-        bwd = flash_plan.plan_backward(shapes, options, strides, config=config)
-        dtypes = {k: a.dtype for k, a in arrays.items()}
+        # What executor.select_config falls back to on a GPU without cached or autotuned tiles.
+        config = flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal)
+        extra, dtypes = {}, {k: a.dtype for k, a in arrays.items()}
+        if self.sparse:
+            if not hasattr(flash_plan, "SparseInfo"):
+                pytest.skip("no block-sparse launch plans in this tree")
+            bq, bk = self.sparse
+            nq, nk = -(-self.sq // bq), -(-self.sk // bk)
+            extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
+            dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
+        fwd = flash_plan.plan_forward(shapes, options, strides, config=config, **extra)
+        bwd = flash_plan.plan_backward(shapes, options, strides, config=config, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
         if self.dropout > 0:
             dtypes["dropout_seed"] = "int32"   # (1,) int32 array, so JAX can trace the seed
@@ -128,6 +137,7 @@ FAST = (
     Variant("bf16-d128-dv64-varlen-gqa-causal-sinks3-dropout", d=128, dv=64, hq=8, hkv=2, causal=True,
             sinks=("head", 3), sinks_dtype="float32", dropout=0.1, varlen=True),
     Variant("fp16-d128-decode-mqa-causal", dtype="float16", sq=1, sk=100, hq=4, hkv=1, causal=True),
+    Variant("bf16-d128-blocksparse128-causal", sq=256, sk=256, causal=True, sparse=(128, 128)),
 )
 
 # ---- slow tier: each option alone (bf16, D=128), and each (dtype, head dims) with no option ----
@@ -136,23 +146,22 @@ _OPTIONS = (
     dict(bias="bcast"), dict(bias="full"), dict(mask="full"), dict(mask="bcast"), dict(segments=True),
     dict(sinks=("head", 1)), dict(sinks=("head", 3)), dict(sinks=("shared", 1)), dict(sinks=("shared", 3)),
     dict(dropout=0.1), dict(varlen=True), dict(hq=8, hkv=2), dict(hq=4, hkv=1), dict(sq=100, sk=300),
-    dict(sq=1, sk=100),
+    dict(sq=1, sk=100), dict(sparse=(64, 64)), dict(sparse=(128, 64), dtype="float16"),
 )
 
 
 def _opt_name(o):
-    return "-".join(f"{k}={v}" for k, v in o.items()).replace(" ", "")
+    return "-".join(f"{k}={v}" for k, v in o.items() if k != "dtype").replace(" ", "")
 
 
-SLOW = tuple(Variant(f"bf16-d128-{_opt_name(o)}", **o) for o in _OPTIONS) + tuple(
-    Variant(f"{dt}-d{d}" + (f"-dv{dv}" if dv else "") + ("-causal" if c else ""), dtype=dt, d=d, dv=dv, causal=c)
+SLOW = tuple(Variant(f"{o.get('dtype', 'bfloat16')}-d128-{_opt_name(o)}", **o) for o in _OPTIONS) + tuple(
+    Variant(f"{dt}-d{d}" + (f"-dv{dv}" if dv else ""), dtype=dt, d=d, dv=dv)
     for dt in ("bfloat16", "float16", "float32")
-    for d, dv in ((64, None), (128, None), (80, None), (256, None), (128, 64), (64, 256))
-    for c in (False,))
+    for d, dv in ((64, None), (128, None), (80, None), (256, None), (128, 64), (64, 256)))
 
 
-def _cases(variants, marks=()):
-    return [pytest.param(v, k, arch, id=f"sm{arch}-{k}-{v.name}", marks=marks)
+def _cases(variants):
+    return [pytest.param(v, k, arch, id=f"sm{arch}-{k}-{v.name}")
             for arch in ARCHS for v in variants for k in KERNELS]
 
 

@@ -48,16 +48,18 @@ def _cpu_upcast(t: Optional[Tensor]) -> Optional[Tensor]:
 _TENSOR_ARGS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
                 "softmax_aux", "cu_seqlens_q", "cu_seqlens_k") + flash_plan.SPARSE_INPUTS
 _STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
-                "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift", "sparse_block_q", "sparse_block_k")
+                "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift", "sparse_block_q", "sparse_block_k",
+                "sparse_contiguous")
 
 
-def _sparse(a: dict, kv_count, kv_index, q_order, q_count, q_index, k_order, block_q: int, block_k: int):
+def _sparse(a: dict, kv_count, kv_index, q_order, q_count, q_index, k_order, block_q: int, block_k: int,
+            contiguous: int):
     """Add the block-sparse lists to the launch inputs and describe the layout (None: dense)."""
     if kv_count is None:
         return None
     a.update(zip(flash_plan.SPARSE_INPUTS, (kv_count, kv_index, q_order, q_count, q_index, k_order)))
     lb, lh, nq, nk = kv_index.shape
-    return flash_plan.SparseInfo(lb, lh, nq, nk, block_q, block_k)
+    return flash_plan.SparseInfo(lb, lh, nq, nk, block_q, block_k, contiguous & 1 != 0, contiguous & 2 != 0)
 
 
 def _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
@@ -104,12 +106,12 @@ def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
               sparse_q_index: Optional[Tensor], sparse_k_order: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
               softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
               dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
-              sparse_block_k: int) -> Tuple[Tensor, Tensor]:
+              sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
     a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
                 cu_seqlens_q, cu_seqlens_k)
     sparse = _sparse(a, sparse_kv_count, sparse_kv_index, sparse_q_order, sparse_q_count, sparse_q_index,
-                     sparse_k_order, sparse_block_q, sparse_block_k)
+                     sparse_k_order, sparse_block_q, sparse_block_k, sparse_contiguous)
     shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
     options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
     out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
@@ -141,12 +143,12 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
               sparse_k_order: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
               window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
               dropout_seed: int, diag_shift: int, sparse_block_q: int,
-              sparse_block_k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads."""
     a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
                 cu_seqlens_q, cu_seqlens_k)
     sparse = _sparse(a, sparse_kv_count, sparse_kv_index, sparse_q_order, sparse_q_count, sparse_q_index,
-                     sparse_k_order, sparse_block_q, sparse_block_k)
+                     sparse_k_order, sparse_block_q, sparse_block_k, sparse_contiguous)
     shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
     options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
     work_dtype = a["query"].dtype
@@ -272,17 +274,18 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                                  dropout_prob=dropout_prob)
     (query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids,
      softmax_aux) = _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux)
-    sparse_tensors, block_q, block_k = (None,) * 6, 0, 0
+    sparse_tensors, block_q, block_k, contiguous = (None,) * 6, 0, 0, 0
     if sparse is not None:  # a dualattn.SparseMask, validated by the block-sparse front end
         sparse_tensors = _sparse_tensors(sparse, query.device)
         block_q, block_k = sparse.block_q, sparse.block_k
+        contiguous = int(sparse.kv_rows_contiguous) | 2 * int(sparse.q_rows_contiguous)  # bit flags
     out, lse = flash_fwd(
         query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
         cu_seqlens_q, cu_seqlens_k, *sparse_tensors, shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
         _NONE if options.window_left is None else options.window_left,
         _NONE if options.window_right is None else options.window_right,
         options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
-        int(diag_shift), block_q, block_k)
+        int(diag_shift), block_q, block_k, contiguous)
     return (out, lse) if return_lse else out
 
 

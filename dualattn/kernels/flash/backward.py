@@ -18,11 +18,11 @@ from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, load_bias, rows_co
 @triton.jit
 def flash_bwd_preprocess_kernel(
     O, DO, LSE, SINKS, CU_SEQLENS_Q,
-    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, sinks_stride_h,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     seqlen_q, num_heads_q,
     DELTA, DSINKS_PARTIAL,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SINKS_PER_HEAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -47,7 +47,7 @@ def flash_bwd_preprocess_kernel(
     if NUM_SINKS > 0:
         lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         offs_s = tl.arange(0, BLOCK_SINKS)
-        sinks = tl.load(SINKS + h * sinks_stride_h + offs_s, mask=offs_s < NUM_SINKS, other=0.0).to(tl.float32)
+        sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS, other=0.0).to(tl.float32)
         p_sink = tl.exp2((sinks[None, :] - lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_SINKS]
         dsinks = reduce_sum(-p_sink * delta[:, None], 0)
         # Deterministic: one partial row per program, summed by the front end.
@@ -95,15 +95,21 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+               SPARSE_CONTIGUOUS: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
     # the dV and dK products consume, with no register transposes.  [lo, hi) are query
     # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_M):
         if BLOCK_SPARSE:
-            start_m = tl.load(BLOCK_LIST + it) * BLOCK_M
+            if SPARSE_CONTIGUOUS:
+                # A run of blocks: no dependent index load in the loop, so loads pipeline.
+                start_m = (first_block + it) * BLOCK_M
+            else:
+                start_m = tl.load(BLOCK_LIST + it) * BLOCK_M
         else:
             start_m = it
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -146,9 +152,9 @@ def flash_bwd_dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
-    seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
-    seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
+    seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     dbias_stride_b, dbias_stride_h, dbias_stride_s,
@@ -158,10 +164,11 @@ def flash_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    num_heads_kv = num_heads_q // group_size
+    num_heads_kv = num_heads_q // GROUP_SIZE
     b = pid_bh // num_heads_kv
     h_kv = pid_bh % num_heads_kv
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
@@ -177,7 +184,7 @@ def flash_bwd_dkdv_kernel(
         seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
     if BLOCK_SPARSE:
         # Busiest key blocks first (ordered by the group's first query head).
-        layout_k = b.to(tl.int64) * sparse_kstride_b + (h_kv * group_size) * sparse_kstride_h
+        layout_k = b.to(tl.int64) * sparse_kstride_b + (h_kv * GROUP_SIZE) * sparse_kstride_h
         pid_n = tl.load(SPARSE_K_ORDER + layout_k + pid_n)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
@@ -205,8 +212,8 @@ def flash_bwd_dkdv_kernel(
         start, full_start, full_end, end = query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
                                                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         BLOCK_LIST = SPARSE_Q_INDEX  # unused
-    for g in range(0, group_size):
-        h = h_kv * group_size + g
+    for g in range(0, GROUP_SIZE):
+        h = h_kv * GROUP_SIZE + g
         if BLOCK_SPARSE:
             # The whole list of this head's active query blocks, position-masked.
             layout_k = b64 * sparse_kstride_b + h * sparse_kstride_h + pid_n
@@ -233,7 +240,7 @@ def flash_bwd_dkdv_kernel(
                 dropout_seed, dropout_threshold, dropout_scale,
                 segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_SPARSE)
+                BLOCK_SPARSE, SPARSE_CONTIGUOUS)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
@@ -253,12 +260,18 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+               SPARSE_CONTIGUOUS: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
         if BLOCK_SPARSE:
-            start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
+            if SPARSE_CONTIGUOUS:
+                # A run of blocks: no dependent index load in the loop, so loads pipeline.
+                start_n = (first_block + it) * BLOCK_N
+            else:
+                start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
         else:
             start_n = it
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -292,9 +305,9 @@ def flash_bwd_dq_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
-    seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
-    seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
+    seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dqb, stride_dqs, stride_dqh,
     DQ,
@@ -303,12 +316,13 @@ def flash_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
-    h_kv = h // group_size
+    h_kv = h // GROUP_SIZE
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
@@ -370,7 +384,7 @@ def flash_bwd_dq_kernel(
                        dropout_threshold, dropout_scale,
                        segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                       BLOCK_SPARSE)
+                       BLOCK_SPARSE, SPARSE_CONTIGUOUS)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
     tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),

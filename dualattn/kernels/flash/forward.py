@@ -22,14 +22,20 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+               SPARSE_CONTIGUOUS: tl.constexpr):
     # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
     # BLOCK_LIST, the active key blocks of this query block.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
         if BLOCK_SPARSE:
-            start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
+            if SPARSE_CONTIGUOUS:
+                # A run of blocks: no dependent index load in the loop, so loads pipeline.
+                start_n = (first_block + it) * BLOCK_N
+            else:
+                start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
         else:
             start_n = it
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -74,9 +80,9 @@ def flash_fwd_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
-    seg_stride_qb, seg_stride_kb, sinks_stride_h,
+    seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
-    seqlen_q, seqlen_k, num_heads_q, group_size, diag_shift, window_left, window_right,
+    seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     O, LSE,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -84,12 +90,13 @@ def flash_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
-    h_kv = h // group_size
+    h_kv = h // GROUP_SIZE
     # The launch plan checked these; torch and jax launches compile the same hints.
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
@@ -135,7 +142,7 @@ def flash_fwd_kernel(
     # Sinks join every row's denominator: start the online softmax from them.
     if NUM_SINKS > 0:
         offs_s = tl.arange(0, BLOCK_SINKS)
-        sinks = tl.load(SINKS + h * sinks_stride_h + offs_s, mask=offs_s < NUM_SINKS,
+        sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS,
                         other=float("-inf")).to(tl.float32) * LOG2E
         sink_max = reduce_max(sinks, 0)
         m_i = tl.full([BLOCK_M], 0.0, tl.float32) + sink_max
@@ -167,7 +174,7 @@ def flash_fwd_kernel(
             sm_scale, softcap, dropout_threshold, dropout_scale,
             segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-            BLOCK_SPARSE)
+            BLOCK_SPARSE, SPARSE_CONTIGUOUS)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0

@@ -36,6 +36,8 @@ class SparseInfo:
     num_k_blocks: int
     block_q: int
     block_k: int
+    kv_rows_contiguous: bool = False  # every query block's key blocks form one run (windows, documents)
+    q_rows_contiguous: bool = False   # every key block's query blocks form one run
 
     def config(self) -> "FlashConfig":
         big = max(self.block_q, self.block_k) >= 128
@@ -157,7 +159,6 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
     mask_b, mask_h, mask_s = map_strides("attention_mask", shapes.mask_bcast_batch, shapes.mask_bcast_head)
     seg_qb = strides["q_segment_ids"][0] if "q_segment_ids" in strides else 0
     seg_kb = strides["kv_segment_ids"][0] if "kv_segment_ids" in strides else 0
-    sinks_h = shapes.num_sinks if shapes.sinks_per_head else 0
     p = options.dropout_prob
     scalars = (
         ("stride_qb", qb), ("stride_qs", qs), ("stride_qh", qh),
@@ -167,10 +168,10 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("stride_lse_b", lse_b), ("stride_lse_h", lse_h),
         ("bias_stride_b", bias_b), ("bias_stride_h", bias_h), ("bias_stride_s", bias_s),
         ("mask_stride_b", mask_b), ("mask_stride_h", mask_h), ("mask_stride_s", mask_s),
-        ("seg_stride_qb", seg_qb), ("seg_stride_kb", seg_kb), ("sinks_stride_h", sinks_h),
+        ("seg_stride_qb", seg_qb), ("seg_stride_kb", seg_kb),
     ) + _sparse_scalars(sparse) + (
         ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
-        ("num_heads_q", shapes.heads_q), ("group_size", shapes.group_size), ("diag_shift", int(diag_shift)),
+        ("num_heads_q", shapes.heads_q), ("diag_shift", int(diag_shift)),
         ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
         ("sm_scale", float(options.softmax_scale)), ("softcap", float(options.logits_soft_cap or 1.0)),
         ("dropout_threshold", int(round(p * (1 << 24)))),
@@ -190,8 +191,16 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         # fp32 inputs: 3xTF32 dots keep fp32 accuracy; 16-bit inputs ignore this.
         ("DOT_PRECISION", "tf32x3" if shapes.dtype == "float32" else "tf32"),
         ("BLOCK_SPARSE", sparse is not None),
+        # Constexprs, not scalars: jax-triton turns any scalar equal to 1 into a constexpr, so
+        # values that are often 1 must be constexprs for both launchers to compile one variant.
+        ("GROUP_SIZE", shapes.group_size), ("SINKS_PER_HEAD", shapes.sinks_per_head),
+        ("SPARSE_CONTIGUOUS", False),
     )
     return scalars, constexprs
+
+
+def _with_constexpr(constexprs, name, value):
+    return tuple((k, value if k == name else v) for k, v in constexprs)
 
 
 def _lse_shape(shapes: FlashShapes):
@@ -217,6 +226,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     t = config.fwd
+    if sparse is not None:
+        constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     return Launch(
         module="flash.forward", kernel="flash_fwd_kernel",
         grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
@@ -255,12 +266,13 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         grid=(n_m_blocks, shapes.batch * shapes.heads_q, 1),
         inputs=("out", "dout", "lse", "softmax_aux", "cu_seqlens_q"),
         scalars=tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b",
-                                                "stride_lse_h", "sinks_stride_h", "seqlen_q", "num_heads_q")),
+                                                "stride_lse_h", "seqlen_q", "num_heads_q")),
         outputs=(Output("delta", lse_shape, "float32"),
                  Output("dsinks_partial", (shapes.batch * shapes.heads_q * n_m_blocks, max(1, num_sinks)),
                         "float32", zeroed=True)),
         constexprs=(("HEAD_DIM_V", shapes.head_dim_v), ("BLOCK_DV", const["BLOCK_DV"]), ("BLOCK_M", pre_m),
-                    ("NUM_SINKS", num_sinks), ("BLOCK_SINKS", const["BLOCK_SINKS"]), ("IS_VARLEN", varlen)),
+                    ("NUM_SINKS", num_sinks), ("BLOCK_SINKS", const["BLOCK_SINKS"]), ("IS_VARLEN", varlen),
+                    ("SINKS_PER_HEAD", shapes.sinks_per_head)),
         num_warps=4, num_stages=1)
 
     def grad_strides(name, shape):
@@ -275,6 +287,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
 
+    if sparse is not None:
+        constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = config.bwd_dkdv
     dkdv = Launch(
         module="flash.backward", kernel="flash_bwd_dkdv_kernel",
@@ -288,6 +302,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
+    if sparse is not None:
+        constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     t = config.bwd_dq
     dq = Launch(
         module="flash.backward", kernel="flash_bwd_dq_kernel",

@@ -201,7 +201,7 @@ COMMON_INTS = [
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
     "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "bias_stride_b",
     "bias_stride_h", "bias_stride_s", "mask_stride_b", "mask_stride_h", "mask_stride_s", "seg_stride_qb",
-    "seg_stride_kb", "sinks_stride_h", "seqlen_q", "seqlen_k", "num_heads_q", "group_size", "diag_shift",
+    "seg_stride_kb", "seqlen_q", "seqlen_k", "num_heads_q", "diag_shift",
     "window_left", "window_right", "dropout_threshold", "sparse_stride_b", "sparse_stride_h", "sparse_kstride_b",
     "sparse_kstride_h", "num_q_blocks", "num_k_blocks",
 ]
