@@ -11,7 +11,7 @@ group, so no atomics are needed.  Tile ranges come from rules.band_range, as in 
 import triton
 import triton.language as tl
 
-from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
+from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, program_tile, sequence_bounds, tile_start, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
                     reduce_sum, tile_mask)
 
 
@@ -28,10 +28,7 @@ def flash_bwd_preprocess_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
-    q_start = 0
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+    q_start, _, seqlen_q, _ = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_Q, seqlen_q, seqlen_q, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -104,15 +101,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_M):
-        if BLOCK_SPARSE:
-            if SPARSE_CONTIGUOUS:
-                # A run of blocks: no dependent index load in the loop, so loads pipeline.
-                start_m = (first_block + it) * BLOCK_M
-            else:
-                start_m = tl.load(BLOCK_LIST + it) * BLOCK_M
-        else:
-            start_m = it
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+        start_m = tile_start(it, BLOCK_LIST, first_block, BLOCK_M, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
                       offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
@@ -166,26 +155,15 @@ def flash_bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    num_heads_kv = num_heads_q // GROUP_SIZE
-    b = pid_bh // num_heads_kv
-    h_kv = pid_bh % num_heads_kv
-    stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
-    stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
-    stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
-    stride_ob, stride_os, stride_oh = aligned(stride_ob, STRIDES_ALIGNED), aligned(stride_os, STRIDES_ALIGNED), aligned(stride_oh, STRIDES_ALIGNED)
-    q_start = 0
-    k_start = 0
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + b)
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
-    if BLOCK_SPARSE:
-        # Busiest key blocks first (ordered by the group's first query head).
-        layout_k = b.to(tl.int64) * sparse_kstride_b + (h_kv * GROUP_SIZE) * sparse_kstride_h
-        pid_n = tl.load(SPARSE_K_ORDER + layout_k + pid_n)
+    # Key tiles busiest-first, as ordered for the group's first query head.
+    pid_n, b, h_kv, _ = program_tile(num_heads_q // GROUP_SIZE, SPARSE_K_ORDER, sparse_kstride_b,
+                                     sparse_kstride_h * GROUP_SIZE, BLOCK_SPARSE)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                           IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
@@ -266,15 +244,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
-        if BLOCK_SPARSE:
-            if SPARSE_CONTIGUOUS:
-                # A run of blocks: no dependent index load in the loop, so loads pipeline.
-                start_n = (first_block + it) * BLOCK_N
-            else:
-                start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
-        else:
-            start_n = it
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+        start_n = tile_start(it, BLOCK_LIST, first_block, BLOCK_N, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
                       offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
@@ -318,25 +288,15 @@ def flash_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
+    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE)
+    pid_bh = b * num_heads_q + h
     h_kv = h // GROUP_SIZE
-    stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
-    stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
-    stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
-    stride_ob, stride_os, stride_oh = aligned(stride_ob, STRIDES_ALIGNED), aligned(stride_os, STRIDES_ALIGNED), aligned(stride_oh, STRIDES_ALIGNED)
-    q_start = 0
-    k_start = 0
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + b)
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
-    if BLOCK_SPARSE:
-        layout_q = b.to(tl.int64) * sparse_stride_b + h * sparse_stride_h
-        pid_m = tl.load(SPARSE_Q_ORDER + layout_q + pid_m)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                           IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return

@@ -9,7 +9,7 @@ Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 import triton
 import triton.language as tl
 
-from .rules import FWD_INTS, LN2, aligned, LOG2E, dropout_keep, dropout_row_hash, key_range, load_bias, load_tile, logits, reduce_max, reduce_sum, tile_mask
+from .rules import FWD_INTS, LN2, aligned, program_tile, sequence_bounds, tile_start, LOG2E, dropout_keep, dropout_row_hash, key_range, load_bias, load_tile, logits, reduce_max, reduce_sum, tile_mask
 
 
 @triton.jit
@@ -30,15 +30,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
-        if BLOCK_SPARSE:
-            if SPARSE_CONTIGUOUS:
-                # A run of blocks: no dependent index load in the loop, so loads pipeline.
-                start_n = (first_block + it) * BLOCK_N
-            else:
-                start_n = tl.load(BLOCK_LIST + it) * BLOCK_N
-        else:
-            start_n = it
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+        start_n = tile_start(it, BLOCK_LIST, first_block, BLOCK_N, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
         k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
@@ -92,27 +84,15 @@ def flash_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
+    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE)
+    pid_bh = b * num_heads_q + h
     h_kv = h // GROUP_SIZE
-    # The launch plan checked these; torch and jax launches compile the same hints.
-    stride_qb, stride_qs, stride_qh = aligned(stride_qb, STRIDES_ALIGNED), aligned(stride_qs, STRIDES_ALIGNED), aligned(stride_qh, STRIDES_ALIGNED)
-    stride_kb, stride_ks, stride_kh = aligned(stride_kb, STRIDES_ALIGNED), aligned(stride_ks, STRIDES_ALIGNED), aligned(stride_kh, STRIDES_ALIGNED)
-    stride_vb, stride_vs, stride_vh = aligned(stride_vb, STRIDES_ALIGNED), aligned(stride_vs, STRIDES_ALIGNED), aligned(stride_vh, STRIDES_ALIGNED)
-    stride_ob, stride_os, stride_oh = aligned(stride_ob, STRIDES_ALIGNED), aligned(stride_os, STRIDES_ALIGNED), aligned(stride_oh, STRIDES_ALIGNED)
-    q_start = 0
-    k_start = 0
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + b)
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
-    if BLOCK_SPARSE:
-        # Busiest query blocks first (load balance); the layout may broadcast over batch/heads.
-        layout_q = b.to(tl.int64) * sparse_stride_b + h * sparse_stride_h
-        pid_m = tl.load(SPARSE_Q_ORDER + layout_q + pid_m)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                           IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return

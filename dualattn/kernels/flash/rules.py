@@ -212,8 +212,61 @@ BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh"]
 
 
 @triton.jit
-def aligned(stride, ALIGNED: tl.constexpr):
-    """Declare a stride divisible by 16 elements when the launch plan proved it."""
+def aligned(stride_b, stride_s, stride_h, ALIGNED: tl.constexpr):
+    """Declare (batch, seq, head) strides divisible by 16 elements when the launch plan proved it,
+    so row loads vectorise; torch and jax launches compile the same hints."""
     if ALIGNED:
-        stride = tl.multiple_of(stride, 16)
-    return stride
+        stride_b = tl.multiple_of(stride_b, 16)
+        stride_s = tl.multiple_of(stride_s, 16)
+        stride_h = tl.multiple_of(stride_h, 16)
+    return stride_b, stride_s, stride_h
+
+
+@triton.jit
+def sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k) of sequence b: packed offsets for varlen, else 0."""
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE: tl.constexpr):
+    """(tile, batch, head, layout row) of this program; grid = (tiles, batch * heads).
+
+    Block-sparse launches take their tiles busiest-first from the layout's ORDER (load
+    balance); the layout may broadcast over batch and heads.
+    """
+    tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    layout_row = 0
+    if BLOCK_SPARSE:
+        layout_row = b.to(tl.int64) * order_stride_b + h * order_stride_h
+        tile = tl.load(ORDER + layout_row + tile)
+    return tile, b, h, layout_row
+
+
+@triton.jit
+def tile_start(it, BLOCK_LIST, first_block, BLOCK: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+               SPARSE_CONTIGUOUS: tl.constexpr):
+    """Start of the tile an inner loop visits at step `it`.
+
+    Dense loops step through positions, so `it` is the start.  Block-sparse loops step
+    through the block list; a layout whose rows are runs of blocks needs only the first
+    (no dependent index load inside the loop).
+    """
+    if BLOCK_SPARSE:
+        if SPARSE_CONTIGUOUS:
+            start = (first_block + it) * BLOCK
+        else:
+            start = tl.load(BLOCK_LIST + it) * BLOCK
+    else:
+        start = it
+    return tl.multiple_of(start, BLOCK)
