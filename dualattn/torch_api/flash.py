@@ -62,6 +62,19 @@ def _sparse(a: dict, kv_count, kv_index, q_order, q_count, q_index, k_order, blo
     return flash_plan.SparseInfo(lb, lh, nq, nk, block_q, block_k, contiguous & 1 != 0, contiguous & 2 != 0)
 
 
+def _problem(named: dict):
+    """Launch inputs, sizes, options, block-sparse layout and tiles of one op call (fwd and bwd alike)."""
+    a = _inputs(*(named[n] for n in _TENSOR_ARGS[:10]))
+    sparse = _sparse(a, *(named[n] for n in flash_plan.SPARSE_INPUTS), named["sparse_block_q"],
+                     named["sparse_block_k"], named["sparse_contiguous"])
+    shapes = _shapes(a, named["max_seqlen_q"], named["max_seqlen_k"])
+    options = _options(named["softmax_scale"], named["window_left"], named["window_right"], named["logits_soft_cap"],
+                       named["dropout_prob"])
+    device = named["query"].device
+    a["dropout_seed"] = _seed_tensor(named["dropout_prob"], named["dropout_seed"], device)
+    return a, shapes, options, sparse, _config(shapes, options, device)
+
+
 def _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
             cu_seqlens_q, cu_seqlens_k) -> dict:
     return {"query": _cpu_upcast(query), "key": _cpu_upcast(key), "value": _cpu_upcast(value),
@@ -108,17 +121,10 @@ def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
               dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
-    a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-                cu_seqlens_q, cu_seqlens_k)
-    sparse = _sparse(a, sparse_kv_count, sparse_kv_index, sparse_q_order, sparse_q_count, sparse_q_index,
-                     sparse_k_order, sparse_block_q, sparse_block_k, sparse_contiguous)
-    shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
-    options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
+    a, shapes, options, sparse, config = _problem(dict(locals()))
     out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
-    launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}),
-                                     config=_config(shapes, options, query.device), diag_shift=diag_shift,
-                                     sparse=sparse)
-    a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
+    launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}), config=config,
+                                     diag_shift=diag_shift, sparse=sparse)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"]
 
@@ -145,21 +151,12 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
               dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads."""
-    a = _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-                cu_seqlens_q, cu_seqlens_k)
-    sparse = _sparse(a, sparse_kv_count, sparse_kv_index, sparse_q_order, sparse_q_count, sparse_q_index,
-                     sparse_k_order, sparse_block_q, sparse_block_k, sparse_contiguous)
-    shapes = _shapes(a, max_seqlen_q, max_seqlen_k)
-    options = _options(softmax_scale, window_left, window_right, logits_soft_cap, dropout_prob)
-    work_dtype = a["query"].dtype
-    out = _cpu_upcast(out).contiguous()
+    a, shapes, options, sparse, config = _problem({k: v for k, v in locals().items() if k not in ("dout", "out", "lse")})
     # dO is read with O's strides (both contiguous BSHD / packed).
-    dout = _cpu_upcast(dout).to(work_dtype).contiguous()
-    a.update(out=out, dout=dout, lse=lse.contiguous())
-    plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}),
-                                    config=_config(shapes, options, query.device), diag_shift=diag_shift,
-                                    sparse=sparse)
-    a["dropout_seed"] = _seed_tensor(dropout_prob, dropout_seed, query.device)
+    a.update(out=_cpu_upcast(out).contiguous(), dout=_cpu_upcast(dout).to(a["query"].dtype).contiguous(),
+             lse=lse.contiguous())
+    plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}), config=config,
+                                    diag_shift=diag_shift, sparse=sparse)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)

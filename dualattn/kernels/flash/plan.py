@@ -94,7 +94,14 @@ def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, caus
         t = TileConfig(64, 64, 4, 1)
         return FlashConfig(t, t, t)
     tuned = _tuned_table(os.environ.get(TUNED_FILE_ENV)).get(tuned_key(arch, d, causal))
-    if tuned is not None:
+    if shapes.dtype == "float32" and d > 64:
+        # fp32 tiles take twice the shared memory (and 3xTF32 more): sized with
+        # dualattn.kernels.compile_check to fit sm_80 (163 KB) and sm_90 (227 KB).
+        if d <= 128:
+            fwd, dkdv, dq = TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2)
+        else:
+            fwd, dkdv, dq = TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1), TileConfig(16, 32, 4, 1)
+    elif tuned is not None:  # tuned on 16-bit inputs
         fwd, dkdv, dq = (TileConfig(*t) for t in tuned)
     else:
         if d <= 64:
