@@ -8,14 +8,12 @@ with the GPU tile config of that arch) and compiles them with `triton.compile`
 
 Default tier: a covering set (every dtype, head dim and option appears on both archs, combined
 into a few variants) -- a few minutes on 2 cores.  The sweep that isolates each option and each
-(dtype, head dims) pair (~300 compiles, most of an hour) is marked slow and runs only when asked
-for: `pytest -m slow tests/test_compile.py` or DUALATTN_COMPILE_SWEEP=1 (CI's plain `pytest`
-selects slow tests too, so the marker alone would not keep it out).
+(dtype, head dims) pair (~300 compiles, most of an hour) is marked slow; pyproject's addopts
+deselect slow tests, so it runs only when asked: `pytest -m slow tests/test_compile.py`.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 from typing import Optional, Tuple
 
@@ -189,11 +187,6 @@ def _check_binary(compiled, launch, arch, what):
     return ptx
 
 
-def _require_sweep(request):
-    if os.environ.get("DUALATTN_COMPILE_SWEEP") != "1" and "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("compile sweep: run with -m slow or DUALATTN_COMPILE_SWEEP=1")
-
-
 def _run_case(variant, kernel, arch, specialize="torch"):
     launch, dtypes = variant.launch(kernel, arch)
     what = f"{variant.name} [{specialize} specialisation]"
@@ -211,8 +204,7 @@ def test_compile(variant, kernel, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, kernel, arch", _cases(SLOW))
-def test_compile_sweep(variant, kernel, arch, request):
-    _require_sweep(request)
+def test_compile_sweep(variant, kernel, arch):
     _run_case(variant, kernel, arch)
 
 
@@ -244,8 +236,7 @@ def test_compile_jax_specialisation(variant, kernel, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, kernel, arch", _cases(FAST))
-def test_compile_jax_specialisation_sweep(variant, kernel, arch, request):
-    _require_sweep(request)
+def test_compile_jax_specialisation_sweep(variant, kernel, arch):
     _jax_case(variant, kernel, arch)
 
 
