@@ -206,3 +206,14 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: i
                              f"{'query' if name.endswith('q') else 'key/value'} tensor")
         if lengths and max(lengths) > int(max_len):
             raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence ({max(lengths)})")
+
+
+def check_positions(q_positions, kv_positions, batch: int, seqlen_q: int, seqlen_k: int) -> None:
+    """q_positions (B, Sq) / kv_positions (B, Sk) integer arrays; either may be None (default positions)."""
+    for name, pos, s in (("q_positions", q_positions, seqlen_q), ("kv_positions", kv_positions, seqlen_k)):
+        if pos is None:
+            continue
+        if dtype_name(pos) not in INT_DTYPES:
+            raise TypeError(f"{name} must be an integer array, got {dtype_name(pos)}")
+        if _shape(pos) != (batch, s):
+            raise ValueError(f"{name} must have shape ({batch}, {s}), got {_shape(pos)}")

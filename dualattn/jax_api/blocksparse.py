@@ -18,7 +18,7 @@ def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, 
 
     backend: "triton" (the shared Triton kernels; jax-triton on GPU, the interpreter on CPU),
     "xla" (gathers only the active blocks, never a dense Sq x Sk matrix), or "auto" (triton on
-    GPU, xla elsewhere). q_positions/kv_positions are supported by the xla backend.
+    GPU, xla elsewhere).
     """
     if len(query.shape) != 4:
         raise ValueError(f"query must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(query.shape)}")
@@ -38,9 +38,8 @@ def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, 
                                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                          q_positions=q_positions, kv_positions=kv_positions,
                                          softmax_aux=softmax_aux, return_lse=return_lse)
-    if q_positions is not None or kv_positions is not None:
-        raise ValueError("q_positions/kv_positions are supported by backend='xla', not by the Triton kernels yet")
     return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, attention_mask=None, bias=None, dropout_prob=0.0, dropout_seed=None,
-                 return_lse=return_lse, backend="triton", sparse=layout)
+                 return_lse=return_lse, backend="triton", sparse=layout, q_positions=q_positions,
+                 kv_positions=kv_positions)

@@ -20,7 +20,7 @@ from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32, row_major_strides
 from ..options import FlashOptions
 from ..sparse import sparse_info
-from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args
+from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
 from . import _launch
 
 BACKENDS = ("auto", "triton", "xla", "pallas")
@@ -104,6 +104,19 @@ def _seed_array(dropout_prob: float, dropout_seed):
     return jax.lax.bitcast_convert_type(seed.reshape(1).astype(jnp.uint32), jnp.int32)
 
 
+def _positions(q_positions, kv_positions, shapes: FlashShapes):
+    """Explicit token positions (block-sparse), the missing side filled with the default positions."""
+    if q_positions is None and kv_positions is None:
+        return None, None
+    check_positions(q_positions, kv_positions, shapes.batch, shapes.seqlen_q, shapes.seqlen_k)
+    if q_positions is None:
+        q_positions = jnp.broadcast_to(jnp.arange(shapes.seqlen_q) + shapes.seqlen_k - shapes.seqlen_q,
+                                       (shapes.batch, shapes.seqlen_q))
+    if kv_positions is None:
+        kv_positions = jnp.broadcast_to(jnp.arange(shapes.seqlen_k), (shapes.batch, shapes.seqlen_k))
+    return q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
+
+
 def _sparse_arrays(layout) -> dict:
     """The layout's block lists as jax arrays, made once per layout."""
     if "jax" not in layout.device_cache:
@@ -133,7 +146,7 @@ def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_p
 def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, q_segment_ids,
           kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse, backend,
           cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, xla_options=None,
-          sparse=None):
+          sparse=None, q_positions=None, kv_positions=None):
     check_dropout(dropout_prob, dropout_seed)
     shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
@@ -156,6 +169,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       dropout_seed=_seed_array(dropout_prob, dropout_seed))
+        arrays.update(zip(("q_positions", "kv_positions"), _positions(q_positions, kv_positions, shapes)))
         info = None
         if sparse is not None:  # a dualattn.SparseMask, validated by the block-sparse front end
             arrays.update(_sparse_arrays(sparse))

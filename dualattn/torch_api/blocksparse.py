@@ -23,14 +23,12 @@ def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, *, layout=N
         layout: a dualattn.SparseMask (block map (B|1, H|1, ceil(Sq/block_q), ceil(Sk/block_k))),
             or mask_builder: a dualattn.masks builder (causal(), local(w), document(ids), ... | &)
             or any callable (batch, heads, Sq, Sk, block_q, block_k) -> block map.
-        causal, sliding_window, q/kv_segment_ids: token-level rules applied inside active blocks.
+        causal, sliding_window, q/kv_segment_ids: token-level rules applied inside active blocks;
+        q_positions (B, Sq) / kv_positions (B, Sk): the positions the window compares (default
+            i + Sk - Sq and j), e.g. global positions of a shard.
         softmax_aux, logits_soft_cap, softmax_scale, return_lse: as flash_attention.
     The result equals dense attention under the token mask the layout and the rules imply.
     """
-    if q_positions is not None or kv_positions is not None:
-        raise ValueError("q_positions/kv_positions are not supported by the Triton block-sparse kernels yet; "
-                         "express offsets with the layout, or use dualattn.jax_api.blocksparse_attention("
-                         "backend='xla')")
     if not isinstance(query, torch.Tensor) or query.dim() != 4:
         raise ValueError("query must be a 4-D (batch, seq_len, heads, head_dim) torch.Tensor")
     b, sq, hq, _ = query.shape
@@ -39,4 +37,5 @@ def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, *, layout=N
     return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, attention_mask=None, bias=None, dropout_prob=0.0,
-                 dropout_seed=None, return_lse=return_lse, sparse=layout)
+                 dropout_seed=None, return_lse=return_lse, sparse=layout, q_positions=q_positions,
+                 kv_positions=kv_positions)

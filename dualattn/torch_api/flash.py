@@ -17,7 +17,7 @@ from .. import executor
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32
 from ..options import FlashOptions
-from ..validation import check_cu_seqlens_values, check_dropout, check_flash_args
+from ..validation import check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
 from . import _launch
 
 Tensor = torch.Tensor
@@ -46,7 +46,7 @@ def _cpu_upcast(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 _TENSOR_ARGS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
-                "softmax_aux", "cu_seqlens_q", "cu_seqlens_k") + flash_plan.SPARSE_INPUTS
+                "softmax_aux", "cu_seqlens_q", "cu_seqlens_k") + flash_plan.SPARSE_INPUTS + ("q_positions", "kv_positions")
 _STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
                 "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift", "sparse_block_q", "sparse_block_k",
                 "sparse_contiguous")
@@ -67,6 +67,7 @@ def _problem(named: dict):
     a = _inputs(*(named[n] for n in _TENSOR_ARGS[:10]))
     sparse = _sparse(a, *(named[n] for n in flash_plan.SPARSE_INPUTS), named["sparse_block_q"],
                      named["sparse_block_k"], named["sparse_contiguous"])
+    a.update(q_positions=named["q_positions"], kv_positions=named["kv_positions"])
     shapes = _shapes(a, named["max_seqlen_q"], named["max_seqlen_k"])
     options = _options(named["softmax_scale"], named["window_left"], named["window_right"], named["logits_soft_cap"],
                        named["dropout_prob"])
@@ -116,8 +117,8 @@ def flash_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
               q_segment_ids: Optional[Tensor], kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor],
               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], sparse_kv_count: Optional[Tensor],
               sparse_kv_index: Optional[Tensor], sparse_q_order: Optional[Tensor], sparse_q_count: Optional[Tensor],
-              sparse_q_index: Optional[Tensor], sparse_k_order: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-              softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
+              sparse_q_index: Optional[Tensor], sparse_k_order: Optional[Tensor], q_positions: Optional[Tensor],
+              kv_positions: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
               dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
@@ -146,8 +147,8 @@ def flash_bwd(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor
               kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], sparse_kv_count: Optional[Tensor], sparse_kv_index: Optional[Tensor],
               sparse_q_order: Optional[Tensor], sparse_q_count: Optional[Tensor], sparse_q_index: Optional[Tensor],
-              sparse_k_order: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-              window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
+              sparse_k_order: Optional[Tensor], q_positions: Optional[Tensor], kv_positions: Optional[Tensor],
+              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
               dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads."""
@@ -250,7 +251,8 @@ def _resolve_seed(dropout_prob: float, dropout_seed: Optional[int]) -> int:
 
 def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux,
           q_segment_ids, kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse,
-          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, sparse=None):
+          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, sparse=None,
+          q_positions=None, kv_positions=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -278,12 +280,26 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         contiguous = int(sparse.kv_rows_contiguous) | 2 * int(sparse.q_rows_contiguous)  # bit flags
     out, lse = flash_fwd(
         query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-        cu_seqlens_q, cu_seqlens_k, *sparse_tensors, shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
+        cu_seqlens_q, cu_seqlens_k, *sparse_tensors, *_positions(q_positions, kv_positions, shapes, query.device),
+        shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
         _NONE if options.window_left is None else options.window_left,
         _NONE if options.window_right is None else options.window_right,
         options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
         int(diag_shift), block_q, block_k, contiguous)
     return (out, lse) if return_lse else out
+
+
+def _positions(q_positions, kv_positions, shapes, device) -> tuple:
+    """Explicit token positions (block-sparse), the missing side filled with the default positions."""
+    if q_positions is None and kv_positions is None:
+        return None, None
+    check_positions(q_positions, kv_positions, shapes.batch, shapes.seqlen_q, shapes.seqlen_k)
+    if q_positions is None:
+        q_positions = (torch.arange(shapes.seqlen_q, device=device) + shapes.seqlen_k - shapes.seqlen_q).expand(
+            shapes.batch, -1)
+    if kv_positions is None:
+        kv_positions = torch.arange(shapes.seqlen_k, device=device).expand(shapes.batch, -1)
+    return q_positions.to(torch.int32).contiguous(), kv_positions.to(torch.int32).contiguous()
 
 
 def _sparse_tensors(layout, device) -> tuple:

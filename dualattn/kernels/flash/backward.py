@@ -11,7 +11,7 @@ group, so no atomics are needed.  Tile ranges come from rules.band_range, as in 
 import triton
 import triton.language as tl
 
-from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, program_tile, sequence_bounds, tile_start, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
+from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, load_ids, program_tile, sequence_bounds, tile_start, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
                     reduce_sum, tile_mask)
 
 
@@ -53,11 +53,11 @@ def flash_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW,
                    bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right,
                    sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr):
+                   HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     """Recompute probabilities and the soft-cap derivative 1 - tanh^2 from the raw q.k tile.
 
     The tile is [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (key-major) when TRANSPOSED.
@@ -72,8 +72,8 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
         cap_grad = 1.0 - t * t
     if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
-                       q_seg, MASK_ROW, k_seg, mask_stride_s,
-                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, TRANSPOSED)
+                       q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
+                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, TRANSPOSED, HAS_POSITIONS)
         s = tl.where(ok, s, float("-inf"))
     # lse = -inf marks a fully masked row: every s there is -inf too, so P = 0.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
@@ -83,8 +83,8 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
-                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, DBIAS_ROW,
+def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
+                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS_ROW, DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                 dropout_seed, dropout_threshold, dropout_scale,
@@ -93,7 +93,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
     # the dV and dK products consume, with no register transposes.  [lo, hi) are query
     # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
@@ -110,14 +110,14 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
         in_rows = offs_m < seqlen_q
         lse = tl.load(LSE_HEAD + offs_m, mask=in_rows, other=0.0)
         delta = tl.load(DELTA_HEAD + offs_m, mask=in_rows, other=0.0)
-        q_seg = 0
-        if HAS_SEGMENTS:
-            q_seg = tl.load(QSEG_ROW + offs_m, mask=in_rows, other=-2)
+        q_seg = load_ids(QSEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS)
+        q_pos = load_ids(QPOS_ROW, offs_m, seqlen_q, 0, HAS_POSITIONS)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        p_t, cap_grad = _probabilities(qk_t, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+        p_t, cap_grad = _probabilities(qk_t, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW,
                                        bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
                                        window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, True)
+                                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, True,
+                                       HAS_POSITIONS)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         p_dropped = p_t
         if HAS_DROPOUT:
@@ -136,13 +136,14 @@ def _dkdv_inner(dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
 @triton.jit(do_not_specialize=BWD_DKDV_INTS)
 def flash_bwd_dkdv_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
-    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
+    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
     DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
+    pos_stride_qb, pos_stride_kb,
     seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -154,6 +155,7 @@ def flash_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     # Key tiles busiest-first, as ordered for the group's first query head.
     pid_n, b, h_kv, _ = program_tile(num_heads_q // GROUP_SIZE, SPARSE_K_ORDER, sparse_kstride_b,
@@ -181,9 +183,8 @@ def flash_bwd_dkdv_kernel(
                   offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
     v = load_tile(V + v_row + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
                   offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
-    k_seg = 0
-    if HAS_SEGMENTS:
-        k_seg = tl.load(KSEG + b64 * seg_stride_kb + offs_n, mask=offs_n < seqlen_k, other=-1)
+    k_seg = load_ids(KSEG + b64 * seg_stride_kb, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+    k_pos = load_ids(KPOS + b64 * pos_stride_kb, offs_n, seqlen_k, 0, HAS_POSITIONS)
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
     if not BLOCK_SPARSE:
@@ -211,14 +212,15 @@ def flash_bwd_dkdv_kernel(
             lo = start if segment == 0 else (full_start if segment == 1 else full_end)
             hi = full_start if segment == 0 else (full_end if segment == 1 else end)
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, k_seg, offs_n, lo, hi, BLOCK_LIST, batch_head,
-                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, DBIAS_ROW,
+                dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
+                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
+                DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                 dropout_seed, dropout_threshold, dropout_scale,
                 segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_SPARSE, SPARSE_CONTIGUOUS)
+                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
@@ -229,8 +231,8 @@ def flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
-              K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+              K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
               stride_ks, stride_vs, bias_stride_s, mask_stride_s,
               seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
               dropout_threshold, dropout_scale,
@@ -239,7 +241,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
@@ -250,14 +252,14 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST
                       offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
         v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
                       offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
-        k_seg = 0
-        if HAS_SEGMENTS:
-            k_seg = tl.load(KSEG_ROW + offs_n, mask=offs_n < seqlen_k, other=-1)
+        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+        k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        p, cap_grad = _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, BIAS_ROW, MASK_ROW,
+        p, cap_grad = _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW,
                                      bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
                                      window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, False)
+                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, False,
+                                     HAS_POSITIONS)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = dropout_keep(row_hash, offs_n, dropout_threshold, False)
@@ -270,13 +272,14 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST
 @triton.jit(do_not_specialize=BWD_DQ_INTS)
 def flash_bwd_dq_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
-    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
+    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
     DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
+    pos_stride_qb, pos_stride_kb,
     seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dqb, stride_dqs, stride_dqh,
@@ -287,6 +290,7 @@ def flash_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE)
     pid_bh = b * num_heads_q + h
@@ -314,9 +318,8 @@ def flash_bwd_dq_kernel(
     lse_row = b64 * stride_lse_b + h * stride_lse_h + q_start
     lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
     delta = tl.load(DELTA + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    q_seg = 0
-    if HAS_SEGMENTS:
-        q_seg = tl.load(QSEG + b64 * seg_stride_qb + offs_m, mask=offs_m < seqlen_q, other=-2)
+    q_seg = load_ids(QSEG + b64 * seg_stride_qb, offs_m, seqlen_q, -2, HAS_SEGMENTS)
+    q_pos = load_ids(QPOS + b64 * pos_stride_qb, offs_m, seqlen_q, 0, HAS_POSITIONS)
     row_hash = 0
     if HAS_DROPOUT:
         row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
@@ -337,14 +340,14 @@ def flash_bwd_dq_kernel(
     for segment in tl.static_range(3):
         lo = start if segment == 0 else (full_start if segment == 1 else full_end)
         hi = full_start if segment == 0 else (full_end if segment == 1 else end)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
-                       K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+                       K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                        stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                        seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                        dropout_threshold, dropout_scale,
                        segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                       BLOCK_SPARSE, SPARSE_CONTIGUOUS)
+                       BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
     tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),

@@ -9,12 +9,12 @@ Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 import triton
 import triton.language as tl
 
-from .rules import FWD_INTS, LN2, aligned, program_tile, sequence_bounds, tile_start, LOG2E, dropout_keep, dropout_row_hash, key_range, load_bias, load_tile, logits, reduce_max, reduce_sum, tile_mask
+from .rules import FWD_INTS, LN2, aligned, program_tile, sequence_bounds, tile_start, LOG2E, dropout_keep, dropout_row_hash, key_range, load_bias, load_ids, load_tile, logits, reduce_max, reduce_sum, tile_mask
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
-               K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+               K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                seqlen_q, seqlen_k, diag, window_left, window_right,
                sm_scale, softcap, dropout_threshold, dropout_scale,
@@ -23,7 +23,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
     # BLOCK_LIST, the active key blocks of this query block.
     offs_d = tl.arange(0, BLOCK_D)
@@ -40,13 +40,12 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
         if HAS_BIAS:
             bias = load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, False)
         s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
-        k_seg = 0
-        if HAS_SEGMENTS:
-            k_seg = tl.load(KSEG_ROW + offs_n, mask=offs_n < seqlen_k, other=-1)
+        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+        k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
         if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
             ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
-                           q_seg, MASK_ROW, k_seg, mask_stride_s,
-                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, False)
+                           q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
+                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, False, HAS_POSITIONS)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, reduce_max(s, 1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
@@ -68,12 +67,13 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
 @triton.jit(do_not_specialize=FWD_INTS)
 def flash_fwd_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
-    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
+    SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
+    pos_stride_qb, pos_stride_kb,
     seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     O, LSE,
@@ -83,6 +83,7 @@ def flash_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE)
     pid_bh = b * num_heads_q + h
@@ -111,9 +112,8 @@ def flash_fwd_kernel(
     BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
     MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
     KSEG_ROW = KSEG + b64 * seg_stride_kb
-    q_seg = 0
-    if HAS_SEGMENTS:
-        q_seg = tl.load(QSEG + b64 * seg_stride_qb + offs_m, mask=offs_m < seqlen_q, other=-2)
+    q_seg = load_ids(QSEG + b64 * seg_stride_qb, offs_m, seqlen_q, -2, HAS_SEGMENTS)
+    q_pos = load_ids(QPOS + b64 * pos_stride_qb, offs_m, seqlen_q, 0, HAS_POSITIONS)
     row_hash = 0
     if HAS_DROPOUT:
         # The seed is read from memory so JAX can pass a traced value.
@@ -147,14 +147,14 @@ def flash_fwd_kernel(
         lo = start if segment == 0 else (full_start if segment == 1 else full_end)
         hi = full_start if segment == 0 else (full_end if segment == 1 else end)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, q_seg, row_hash, offs_m, lo, hi, BLOCK_LIST,
-            K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW,
+            acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+            K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
             stride_ks, stride_vs, bias_stride_s, mask_stride_s,
             seqlen_q, seqlen_k, diag, window_left, window_right,
             sm_scale, softcap, dropout_threshold, dropout_scale,
             segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-            BLOCK_SPARSE, SPARSE_CONTIGUOUS)
+            BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0

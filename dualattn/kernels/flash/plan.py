@@ -19,7 +19,8 @@ from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_stride
 SPARSE_INPUTS = ("sparse_kv_count", "sparse_kv_index", "sparse_q_order", "sparse_q_count", "sparse_q_index",
                  "sparse_k_order")
 FWD_INPUTS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
-              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed") + SPARSE_INPUTS
+              "softmax_aux", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed") + SPARSE_INPUTS + (
+              "q_positions", "kv_positions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +178,8 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("mask_stride_b", mask_b), ("mask_stride_h", mask_h), ("mask_stride_s", mask_s),
         ("seg_stride_qb", seg_qb), ("seg_stride_kb", seg_kb),
     ) + _sparse_scalars(sparse) + (
+        ("pos_stride_qb", strides["q_positions"][0] if "q_positions" in strides else 0),
+        ("pos_stride_kb", strides["kv_positions"][0] if "kv_positions" in strides else 0),
         ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
         ("num_heads_q", shapes.heads_q), ("diag_shift", int(diag_shift)),
         ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
@@ -202,6 +205,9 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         # values that are often 1 must be constexprs for both launchers to compile one variant.
         ("GROUP_SIZE", shapes.group_size), ("SINKS_PER_HEAD", shapes.sinks_per_head),
         ("SPARSE_CONTIGUOUS", False),
+        # Explicit positions replace i + diag / j in the window rule; only block-sparse launches
+        # take them (band_range assumes the default positions).
+        ("HAS_POSITIONS", "q_positions" in strides),
     )
     return scalars, constexprs
 

@@ -82,19 +82,26 @@ def rows_cols(offs_m, offs_n, TRANSPOSED: tl.constexpr):
 
 @triton.jit
 def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
-              q_seg, MASK_ROW, k_seg, mask_stride_s,
+              q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
               POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              HAS_SEGMENTS: tl.constexpr, HAS_MASK: tl.constexpr, TRANSPOSED: tl.constexpr):
+              HAS_SEGMENTS: tl.constexpr, HAS_MASK: tl.constexpr, TRANSPOSED: tl.constexpr,
+              HAS_POSITIONS: tl.constexpr):
     """Boolean tile: may query offs_m attend key offs_n ([M, N], or [N, M] if TRANSPOSED).
 
     POSITIONAL=False is the fast path for tiles that band_range proved full; segment ids
-    and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].
+    and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].  With
+    HAS_POSITIONS the window compares the given positions (q_pos, k_pos tiles) instead of
+    i + diag and j (block-sparse layouts, where every tile is POSITIONAL).
     """
     mi, nj = rows_cols(offs_m, offs_n, TRANSPOSED)
     ok = (mi >= 0) & (nj >= 0)
     if POSITIONAL:
         ok = ok & (mi < seqlen_q) & (nj < seqlen_k)
-        d = nj - mi - diag
+        if HAS_POSITIONS:
+            qp, kp = rows_cols(q_pos, k_pos, TRANSPOSED)
+            d = kp - qp
+        else:
+            d = nj - mi - diag
         if HAS_LEFT:
             ok = ok & (d >= -window_left)
         if HAS_RIGHT:
@@ -107,6 +114,15 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
                        mask=(mi < seqlen_q) & (nj < seqlen_k), other=0)
         ok = ok & (user != 0)
     return ok
+
+
+@triton.jit
+def load_ids(ROW, offs, limit, other, HAS: tl.constexpr):
+    """Per-token ids of a tile (segment ids, positions), or 0 when the feature is off."""
+    ids = 0
+    if HAS:
+        ids = tl.load(ROW + offs, mask=offs < limit, other=other)
+    return ids
 
 
 @triton.jit
@@ -203,7 +219,7 @@ COMMON_INTS = [
     "bias_stride_h", "bias_stride_s", "mask_stride_b", "mask_stride_h", "mask_stride_s", "seg_stride_qb",
     "seg_stride_kb", "seqlen_q", "seqlen_k", "num_heads_q", "diag_shift",
     "window_left", "window_right", "dropout_threshold", "sparse_stride_b", "sparse_stride_h", "sparse_kstride_b",
-    "sparse_kstride_h", "num_q_blocks", "num_k_blocks",
+    "sparse_kstride_h", "num_q_blocks", "num_k_blocks", "pos_stride_qb", "pos_stride_kb",
 ]
 FWD_INTS = COMMON_INTS
 BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh",
