@@ -240,6 +240,10 @@ def _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segmen
     return query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux
 
 
+def _capturing(t: Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _resolve_seed(dropout_prob: float, dropout_seed: Optional[int]) -> int:
     if dropout_prob == 0.0:
         return 0
@@ -264,8 +268,9 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    if shapes.varlen and not torch.compiler.is_compiling():
-        # One small device->host copy; skipped under torch.compile, where it would break the graph.
+    if shapes.varlen and not torch.compiler.is_compiling() and not _capturing(cu_seqlens_q):
+        # A device->host copy of the (small) tables: a sync on CUDA, so skipped where it cannot
+        # happen (torch.compile graphs, CUDA-graph capture); a bad table would read out of bounds.
         check_cu_seqlens_values(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), shapes.total_q, shapes.total_k,
                                 shapes.seqlen_q, shapes.seqlen_k)
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
