@@ -6,6 +6,7 @@ are small (CPU, 2 cores) and the block sizes deliberately do not divide the sequ
 from __future__ import annotations
 
 import numpy as np
+from jax_inputs import random_qkv, round_to  # noqa: E402
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -25,16 +26,7 @@ _OPTION_KEYS = ("softmax_scale", "causal", "sliding_window", "logits_soft_cap", 
 _DIFF = ("query", "key", "value", "bias", "softmax_aux")
 
 
-def _round(x, dtype):
-    """numpy float32 -> values exactly representable in dtype (so the reference sees the same inputs)."""
-    return np.array(jnp.asarray(x, dtype).astype(jnp.float32))
-
-
-def _qkv(rng, B, Sq, Sk, Hq, Hkv, D, Dv=None, dtype=jnp.float32):
-    Dv = D if Dv is None else Dv
-    return dict(query=_round(rng.standard_normal((B, Sq, Hq, D)), dtype),
-                key=_round(rng.standard_normal((B, Sk, Hkv, D)), dtype),
-                value=_round(rng.standard_normal((B, Sk, Hkv, Dv)), dtype))
+_round, _qkv = round_to, random_qkv  # shared with the other JAX tests
 
 
 def _check(rng, inputs, *, dtype=jnp.float32, tol=FP32_TOL, block_q=16, block_k=16, dropout_seed=None,
