@@ -264,3 +264,30 @@ def test_import_needs_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
+
+
+def test_throughput_timer_launches_back_to_back_and_waits_once():
+    from dualattn.bench.flash import throughput_ms
+    from dualattn.bench.systems import Step
+    events = []
+    step = Step(lambda: events.append("launch") or len(events), lambda out: events.append(("sync", out)))
+    ms = throughput_ms(step, min_ms=1.0, repeats=3)
+    assert ms >= 0.0
+    # two blocking warm-up calls, then rounds of n launches each followed by exactly one wait
+    rounds = events[4:]
+    syncs = [i for i, e in enumerate(rounds) if isinstance(e, tuple)]
+    assert len(syncs) == 3
+    n = syncs[0]
+    assert n >= 3 and all(e == "launch" for e in rounds[:n])
+    assert rounds[syncs[0]] == ("sync", 4 + n)  # the wait gets the last launch's outputs
+
+
+def test_from_json_prints_the_table_of_a_results_file(tmp_path, capsys):
+    from dualattn.bench.flash import main
+    shape = Shape(2, 64, 2, 16)
+    rows = [Measurement(system="sdpa-cudnn", **vars(shape), causal=False, mode="fwd", ms=1.0, tflops=3.0,
+                        status="ok", ratio_to_cudnn=1.0)]
+    path = tmp_path / "r.json"
+    report.write_json(str(path), {"device": "X", "date": "2026-11-22"}, rows)
+    assert main(["--from-json", str(path)]) == 0
+    assert "sdpa-cudnn" in capsys.readouterr().out

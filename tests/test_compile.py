@@ -238,6 +238,24 @@ def test_compile_jax_specialisation_sweep(variant, kernel, arch):
     _jax_case(variant, kernel, arch)
 
 
+@pytest.mark.parametrize("variant", FAST, ids=lambda v: v.name)
+def test_every_int_argument_is_unspecialised(variant):
+    """torch's launcher specialises an int argument on its value (== 1, divisible by 16) unless
+    the kernel lists it in do_not_specialize; jax-triton cannot.  A missing entry compiles two
+    variants of one kernel, and their layouts (so reduction orders) differ: that is how the
+    preprocess kernel once gave torch and jax different last bits of delta, dQ and dK on the H100."""
+    fwd, bwd, _ = variant.build(90)
+    mask = flash_plan.plan_dropout_mask(2, 4, 128, 128, 0.1, 7)
+    for launch in (fwd, bwd.preprocess, bwd.dkdv, bwd.dq, mask):
+        fn = compile_check.kernel_function(launch)
+        first = len(launch.inputs)
+        for i, (name, value) in enumerate(launch.scalars):
+            param = fn.params[first + i]
+            assert param.name == name
+            if isinstance(value, int):
+                assert param.do_not_specialize, f"{launch.kernel}: int argument {name!r} is specialised by torch"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("shape", [(2, 4, 128, 128), (1, 3, 100, 37), (1, 1, 1, 16)], ids=str)
 def test_compile_dropout_mask(shape, arch):

@@ -107,23 +107,43 @@ def rel_error(out, ref) -> float:
 # Front ends: attn -> timed step, output -> torch tensor
 
 
+@dataclass(frozen=True)
+class Step:
+    """One timed call of a system.  `launch()` enqueues the work and returns its outputs without
+    waiting; `sync(outputs)` waits for them.  Calling the step does both (correctness checks).
+    The split lets one timer measure torch and jax alike: n launches back to back, one wait."""
+    launch: Callable[[], Any]
+    sync: Callable[[Any], Any]
+
+    def __call__(self):
+        out = self.launch()
+        self.sync(out)
+        return out
+
+
+def _torch_sync(_outputs) -> None:
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class TorchFrontEnd:
     name = "torch"
 
     @staticmethod
-    def make_step(attn: Callable, inputs: Inputs, mode: str) -> Callable:
+    def make_step(attn: Callable, inputs: Inputs, mode: str) -> Step:
         import torch
         q, k, v, dout = inputs.q, inputs.k, inputs.v, inputs.dout
         if mode == "fwd":
             def fwd():
                 with torch.no_grad():
                     return attn(q, k, v)
-            return fwd
+            return Step(fwd, _torch_sync)
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
         def fwdbwd():  # autograd.grad, not .backward(): no gradient accumulation kernel in the timing
             return torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), dout)
-        return fwdbwd
+        return Step(fwdbwd, _torch_sync)
 
     @staticmethod
     def to_torch(out):
@@ -134,7 +154,7 @@ class JaxFrontEnd:
     name = "jax"
 
     @staticmethod
-    def make_step(attn: Callable, inputs: Inputs, mode: str) -> Callable:
+    def make_step(attn: Callable, inputs: Inputs, mode: str) -> Step:
         jax = import_jax()
         if inputs.q.device.type == "cuda" and jax.default_backend() != "gpu":
             raise RuntimeError(f"jax has no GPU backend (jax.default_backend() == {jax.default_backend()!r})")
@@ -146,7 +166,7 @@ class JaxFrontEnd:
                 out, pullback = jax.vjp(attn, q, k, v)
                 return out, pullback(dout)
             step, args = jax.jit(fwdbwd), (q, k, v, dout)
-        return lambda: jax.block_until_ready(step(*args))
+        return Step(lambda: step(*args), jax.block_until_ready)
 
     @staticmethod
     def to_torch(out):

@@ -11,11 +11,11 @@ group, so no atomics are needed.  Tile ranges come from rules.band_range, as in 
 import triton
 import triton.language as tl
 
-from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, LN2, aligned, load_ids, program_tile, sequence_bounds, tile_start, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
+from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, PREPROCESS_INTS, LN2, aligned, load_ids, program_tile, sequence_bounds, tile_start, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
                     reduce_sum, tile_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PREPROCESS_INTS)
 def flash_bwd_preprocess_kernel(
     O, DO, LSE, SINKS, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
@@ -23,11 +23,16 @@ def flash_bwd_preprocess_kernel(
     DELTA, DSINKS_PARTIAL,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SINKS_PER_HEAD: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
+    # The row sums' order follows the load layout, which follows what the compiler knows of
+    # the strides: specialising them per launcher (torch does, jax-triton cannot) gave delta,
+    # hence dQ and dK, different last bits in the two frameworks.
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
     q_start, _, seqlen_q, _ = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_Q, seqlen_q, seqlen_q, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
@@ -157,9 +162,10 @@ def flash_bwd_dkdv_kernel(
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
 ):
-    # Key tiles busiest-first, as ordered for the group's first query head.
+    # Key tiles busiest-first, as ordered for the group's first query head.  Dense: with
+    # only a left window bound the last key tiles see the most queries.
     pid_n, b, h_kv, _ = program_tile(num_heads_q // GROUP_SIZE, SPARSE_K_ORDER, sparse_kstride_b,
-                                     sparse_kstride_h * GROUP_SIZE, BLOCK_SPARSE)
+                                     sparse_kstride_h * GROUP_SIZE, BLOCK_SPARSE, HAS_LEFT and not HAS_RIGHT)
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
@@ -292,7 +298,8 @@ def flash_bwd_dq_kernel(
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
 ):
-    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE)
+    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
+                                              HAS_RIGHT and not HAS_LEFT)
     pid_bh = b * num_heads_q + h
     h_kv = h // GROUP_SIZE
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
@@ -354,7 +361,7 @@ def flash_bwd_dq_kernel(
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DROPOUT_MASK_INTS)
 def dropout_mask_kernel(seqlen_q, seqlen_k, num_heads, dropout_seed, dropout_threshold, KEEP,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialise the keep-mask the attention kernels use (tests and debugging)."""

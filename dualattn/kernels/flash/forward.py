@@ -85,7 +85,8 @@ def flash_fwd_kernel(
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
 ):
-    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE)
+    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
+                                              HAS_RIGHT and not HAS_LEFT)
     pid_bh = b * num_heads_q + h
     h_kv = h // GROUP_SIZE
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)

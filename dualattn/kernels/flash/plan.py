@@ -67,9 +67,12 @@ class FlashConfig:
 # Tiles measured best on the H100 by benchmarks/tune_flash.py (see benchmarks/NOTES.md), keyed by
 # "sm<arch>:d<head-dim bucket>:<causal|full>" -> (fwd, dkdv, dq) as (block_m, block_n, warps, stages).
 TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
-    # H100, 2026-11-22, B=2 S=8192 H=16 bf16 (benchmarks/results/2026-11-22_h100_tune_d128.json)
-    "sm90:d128:full": ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 2)),
-    "sm90:d128:causal": ((128, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2)),
+    # H100, 2026-11-22, 16k tokens at S=8192, H=16 (D=128) / 32 (D=64), bf16, after the loads
+    # became software-pipelined (benchmarks/results/2026-11-22_h100_tune_pipelined.json).
+    "sm90:d128:full": ((128, 128, 8, 3), (32, 64, 4, 4), (128, 64, 8, 3)),
+    "sm90:d128:causal": ((128, 128, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
+    "sm90:d64:full": ((64, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 3)),
+    "sm90:d64:causal": ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)),
 }
 TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (tuning runs)
 
@@ -285,7 +288,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                         "float32", zeroed=True)),
         constexprs=(("HEAD_DIM_V", shapes.head_dim_v), ("BLOCK_DV", const["BLOCK_DV"]), ("BLOCK_M", pre_m),
                     ("NUM_SINKS", num_sinks), ("BLOCK_SINKS", const["BLOCK_SINKS"]), ("IS_VARLEN", varlen),
-                    ("SINKS_PER_HEAD", shapes.sinks_per_head)),
+                    ("SINKS_PER_HEAD", shapes.sinks_per_head), ("STRIDES_ALIGNED", const["STRIDES_ALIGNED"])),
         num_warps=4, num_stages=1)
 
     def grad_strides(name, shape):

@@ -211,8 +211,8 @@ def reduce_max(x, axis: tl.constexpr):
 
 # Integer arguments are never specialised by value (divisible-by-16, == 1): jax-triton cannot
 # do it, so torch launches don't either and both compile the identical kernel variant.  The
-# launch plan proves stride alignment instead and the kernels state it with tl.multiple_of
-# (STRIDES_ALIGNED).
+# launch plan proves stride alignment instead and the kernels state it (STRIDES_ALIGNED,
+# see `aligned`).
 COMMON_INTS = [
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
     "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "bias_stride_b",
@@ -225,16 +225,26 @@ FWD_INTS = COMMON_INTS
 BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh",
                                "dbias_stride_b", "dbias_stride_h", "dbias_stride_s"]
 BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh"]
+PREPROCESS_INTS = ["stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "seqlen_q", "num_heads_q"]
+DROPOUT_MASK_INTS = ["seqlen_q", "seqlen_k", "num_heads", "dropout_seed", "dropout_threshold"]
 
 
 @triton.jit
 def aligned(stride_b, stride_s, stride_h, ALIGNED: tl.constexpr):
     """Declare (batch, seq, head) strides divisible by 16 elements when the launch plan proved it,
-    so row loads vectorise; torch and jax launches compile the same hints."""
+    so row loads vectorise and the software pipeliner turns them into cp.async copies (it
+    refuses loads whose row stride it cannot prove 16-aligned: measured, no pipelining at
+    all without this).  torch and jax launches compile the same hints.
+
+    Why not tl.multiple_of: on a kernel argument it annotates nothing (an argument has no
+    defining op to carry the attribute), so Triton's axis analysis never sees it.  Rounding
+    down to a multiple of 16 is a no-op on the aligned values the plan passes, and the
+    analysis derives the divisibility from the multiply.
+    """
     if ALIGNED:
-        stride_b = tl.multiple_of(stride_b, 16)
-        stride_s = tl.multiple_of(stride_s, 16)
-        stride_h = tl.multiple_of(stride_h, 16)
+        stride_b = (stride_b >> 4) * 16
+        stride_s = (stride_s >> 4) * 16
+        stride_h = (stride_h >> 4) * 16
     return stride_b, stride_s, stride_h
 
 
@@ -252,13 +262,18 @@ def sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN
 
 
 @triton.jit
-def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE: tl.constexpr):
+def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE: tl.constexpr,
+                 HEAVY_LAST: tl.constexpr):
     """(tile, batch, head, layout row) of this program; grid = (tiles, batch * heads).
 
-    Block-sparse launches take their tiles busiest-first from the layout's ORDER (load
-    balance); the layout may broadcast over batch and heads.
+    Load balance: block-sparse launches take their tiles busiest-first from the layout's
+    ORDER (which may broadcast over batch and heads); dense launches whose last tiles do
+    the most work (causal query tiles) run them first, so the final wave holds the short
+    programs instead of one long one.
     """
     tile = tl.program_id(0)
+    if HEAVY_LAST and not BLOCK_SPARSE:
+        tile = tl.num_programs(0) - 1 - tile
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
