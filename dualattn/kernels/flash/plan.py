@@ -231,6 +231,22 @@ def out_shape(shapes: FlashShapes):
     return (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim_v)
 
 
+def _memoised(plan_fn):
+    """Plans are pure functions of hashable descriptions: build each one once per process.
+    (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
+    cached = functools.lru_cache(maxsize=1024)(
+        lambda shapes, options, strides, config, diag_shift, sparse: plan_fn(
+            shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse))
+
+    @functools.wraps(plan_fn)
+    def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None):
+        frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
+        return cached(shapes, options, frozen, config, int(diag_shift), sparse)
+    plan.cache_clear = cached.cache_clear
+    return plan
+
+
+@_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
@@ -264,6 +280,7 @@ class BackwardPlan:
     dsinks_blocks: int   # rows of partial dsinks to sum: batch * Hq * query tiles
 
 
+@_memoised
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout)."""
