@@ -22,6 +22,7 @@ from ..options import FlashOptions
 from ..sparse import sparse_info
 from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
 from . import _launch
+from ._vma import vary_like
 
 BACKENDS = ("auto", "triton", "xla", "pallas")
 _TENSORS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "softmax_aux",
@@ -49,7 +50,7 @@ def _forward(static: _Static, arrays: dict):
                                      {**_strides(arrays), "out": row_major_strides(out_shape)},
                                      config=static.config, diag_shift=static.diag_shift, sparse=static.sparse)
     res = _launch.run(launch, arrays)
-    return res["out"], res["lse"]
+    return vary_like((res["out"], res["lse"]), arrays["query"], arrays["key"], arrays["value"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -84,7 +85,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
         sinks = arrays["softmax_aux"]
         cot["softmax_aux"] = pre["dsinks_partial"].reshape(view).sum(axis=dims).reshape(sinks.shape).astype(
             sinks.dtype)
-    return (cot,)
+    return ({n: None if g is None else vary_like(g, arrays[n]) for n, g in cot.items()},)
 
 
 _flash_triton.defvjp(_flash_triton_fwd, _flash_triton_bwd)

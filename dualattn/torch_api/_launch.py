@@ -1,6 +1,7 @@
 """Run a framework-neutral `Launch` on torch tensors (compiled on CUDA, interpreted on CPU)."""
 from __future__ import annotations
 
+import threading
 from typing import Dict, Optional
 
 import torch
@@ -10,6 +11,12 @@ from ..kernels.launch import Launch
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "int32": torch.int32, "int8": torch.int8}
+
+
+# Triton's interpreter patches triton.language module-wide while a kernel runs, so two
+# interpreted launches at once (jax's per-shard callbacks under shard_map run in parallel
+# threads) corrupt each other: run them one at a time.
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def output_dtype(spec: str, arrays: Dict[str, torch.Tensor]) -> torch.dtype:
@@ -36,15 +43,8 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
             alloc = torch.zeros if out.zeroed else torch.empty
             outputs[out.name] = alloc(out.shape, dtype=output_dtype(out.dtype, arrays), device=device)
         args.append(outputs[out.name])
-    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+    with torch.cuda.device(device) if device.type == "cuda" else _INTERPRETER_LOCK:
         kernel[launch.grid](*args, **launch.constexpr_dict, num_warps=launch.num_warps,
                             num_stages=launch.num_stages)
     return outputs
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

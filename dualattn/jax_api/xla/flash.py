@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from ...options import FlashOptions
+from .._vma import vary_like
 from ...validation import check_flash_args, dtype_name, INT_DTYPES
 from ..mask import dropout_keep, position_mask
 
@@ -332,8 +333,8 @@ def _forward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux):
                             preferred_element_type=jnp.float32)
             return m_new, l, alpha[..., None] * acc + pv
 
-        init = (jnp.full((B, Hkv, G, bq), _NEG_INF, jnp.float32), jnp.zeros((B, Hkv, G, bq), jnp.float32),
-                jnp.zeros((B, Hkv, G, bq, Dv), jnp.float32))
+        init = vary_like((jnp.full((B, Hkv, G, bq), _NEG_INF, jnp.float32), jnp.zeros((B, Hkv, G, bq), jnp.float32),
+                          jnp.zeros((B, Hkv, G, bq, Dv), jnp.float32)), query, key, value)
         m, l, acc = _k_block_loop(cfg, dims, aux, q_start, k_step, init)
         seen = l > 0
         m_ref = jnp.where(seen, m, 0.0)
@@ -346,7 +347,8 @@ def _forward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux):
         lse = lax.dynamic_update_slice_in_dim(lse, lse_tile, q_start, axis=3)
         return out, lse
 
-    init = (jnp.zeros((B, Sq, Hkv, G, Dv), query.dtype), jnp.zeros((B, Hkv, G, Sq), jnp.float32))
+    init = vary_like((jnp.zeros((B, Sq, Hkv, G, Dv), query.dtype), jnp.zeros((B, Hkv, G, Sq), jnp.float32)),
+                     query, key, value)
     out, lse = lax.fori_loop(0, dims.num_q_blocks, q_step, init) if Sq else init
     return out.reshape(B, Sq, dims.heads_q, Dv), lse.reshape(B, dims.heads_q, Sq)
 
@@ -409,12 +411,13 @@ def _backward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux, o
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
             return dq_tile, _add_rows(dk, dk_tile, k_start, 1), _add_rows(dv, dv_tile, k_start, 1), dbias
 
-        init = (jnp.zeros((B, bq, Hkv, G, D), jnp.float32), dk, dv, dbias)
+        init = vary_like((jnp.zeros((B, bq, Hkv, G, D), jnp.float32), dk, dv, dbias), query, key, value)
         dq_tile, dk, dv, dbias = _k_block_loop(cfg, dims, aux, q_start, k_step, init)
         return _add_rows(dq, dq_tile, q_start, 1), dk, dv, dbias
 
-    init = (jnp.zeros((B, Sq, Hkv, G, D), jnp.float32), jnp.zeros((B, Sk, Hkv, D), jnp.float32),
-            jnp.zeros((B, Sk, Hkv, Dv), jnp.float32), None if bias is None else jnp.zeros_like(bias))
+    init = vary_like((jnp.zeros((B, Sq, Hkv, G, D), jnp.float32), jnp.zeros((B, Sk, Hkv, D), jnp.float32),
+                      jnp.zeros((B, Sk, Hkv, Dv), jnp.float32), None if bias is None else jnp.zeros_like(bias)),
+                     query, key, value)
     dq, dk, dv, dbias = lax.fori_loop(0, dims.num_q_blocks, q_step, init) if Sq else init
 
     d_sinks = None
