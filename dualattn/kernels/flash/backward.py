@@ -162,10 +162,11 @@ def flash_bwd_dkdv_kernel(
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
 ):
-    # Key tiles busiest-first, as ordered for the group's first query head.  Dense: with
-    # only a left window bound the last key tiles see the most queries.
+    # Key tiles busiest-first, as ordered for the group's first query head.  Dense: causal
+    # key tiles see fewer queries the later they are; with only a left window bound the last
+    # key tiles see the most.
     pid_n, b, h_kv, _ = program_tile(num_heads_q // GROUP_SIZE, SPARSE_K_ORDER, sparse_kstride_b,
-                                     sparse_kstride_h * GROUP_SIZE, BLOCK_SPARSE, HAS_LEFT and not HAS_RIGHT)
+                                     sparse_kstride_h * GROUP_SIZE, BLOCK_SPARSE, HAS_LEFT != HAS_RIGHT, HAS_LEFT)
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
@@ -299,7 +300,7 @@ def flash_bwd_dq_kernel(
     HAS_POSITIONS: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
-                                              HAS_RIGHT and not HAS_LEFT)
+                                         HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
     pid_bh = b * num_heads_q + h
     h_kv = h // GROUP_SIZE
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)

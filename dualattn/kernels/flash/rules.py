@@ -263,18 +263,30 @@ def sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN
 
 @triton.jit
 def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE: tl.constexpr,
-                 HEAVY_LAST: tl.constexpr):
+                 UNEVEN: tl.constexpr, HEAVY_LAST: tl.constexpr, SCHEDULE_HEADS: tl.constexpr = 4):
     """(tile, batch, head, layout row) of this program; grid = (tiles, batch * heads).
 
     Load balance: block-sparse launches take their tiles busiest-first from the layout's
-    ORDER (which may broadcast over batch and heads); dense launches whose last tiles do
-    the most work (causal query tiles) run them first, so the final wave holds the short
-    programs instead of one long one.
+    ORDER (which may broadcast over batch and heads).  Dense launches whose tiles do UNEVEN
+    work (a one-sided window: causal) run busiest-first across the whole grid: blocks are
+    dispatched in order of (x + y * grid_x), so that index is read tile-major (every head's
+    busiest tile before any head's next one; HEAVY_LAST when the last tiles are the busiest,
+    as causal query tiles are).  The final wave then holds the short programs of all heads,
+    instead of the long ones of the last heads.  Even work keeps head-major order (the
+    programs running together share one head's K/V in L2).
     """
     tile = tl.program_id(0)
-    if HEAVY_LAST and not BLOCK_SPARSE:
-        tile = tl.num_programs(0) - 1 - tile
     pid_bh = tl.program_id(1)
+    if UNEVEN and not BLOCK_SPARSE:
+        n_tiles = tl.num_programs(0)
+        dispatched = pid_bh * n_tiles + tile
+        first_bh = dispatched // (SCHEDULE_HEADS * n_tiles) * SCHEDULE_HEADS
+        group_heads = tl.minimum(tl.num_programs(1) - first_bh, SCHEDULE_HEADS)
+        within = dispatched - first_bh * n_tiles
+        tile = within // group_heads
+        pid_bh = first_bh + within % group_heads
+        if HEAVY_LAST:
+            tile = n_tiles - 1 - tile
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     layout_row = 0
