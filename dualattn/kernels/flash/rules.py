@@ -268,12 +268,13 @@ def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE:
 
     Load balance: block-sparse launches take their tiles busiest-first from the layout's
     ORDER (which may broadcast over batch and heads).  Dense launches whose tiles do UNEVEN
-    work (a one-sided window: causal) run busiest-first across the whole grid: blocks are
-    dispatched in order of (x + y * grid_x), so that index is read tile-major (every head's
-    busiest tile before any head's next one; HEAVY_LAST when the last tiles are the busiest,
-    as causal query tiles are).  The final wave then holds the short programs of all heads,
-    instead of the long ones of the last heads.  Even work keeps head-major order (the
-    programs running together share one head's K/V in L2).
+    work (a one-sided window: causal) run busiest-first within groups of SCHEDULE_HEADS
+    heads: blocks are dispatched in order of (x + y * grid_x), and that index is read
+    tile-major inside each group (the group's busiest tiles first; HEAVY_LAST when the last
+    tiles are the busiest, as causal query tiles are).  The final wave then holds short
+    programs instead of the last heads' long ones, while the programs in flight still share
+    a few heads' K/V in L2 (tile-major over all heads re-read K/V from DRAM: 40% slower at
+    S=2048, benchmarks/NOTES.md step 11).  Even work keeps head-major order.
     """
     tile = tl.program_id(0)
     pid_bh = tl.program_id(1)
