@@ -15,8 +15,8 @@ import dualattn.torch_api as dt
 from dualattn.kernels.flash import plan as flash_plan
 
 # (block_m, block_n, warps, stages); tiles that do not fit in shared memory are skipped.
-FWD = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (128, 64, 4, 4),
-       (64, 64, 4, 4), (64, 128, 4, 3)]
+FWD = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 2), (128, 64, 4, 3),
+       (128, 64, 4, 4), (128, 128, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3)]
 DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
         (32, 64, 4, 4)]
 DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2),
@@ -37,12 +37,14 @@ def _time(fn):
         return float("inf")
 
 
-def tune(head_dim, heads, seqlen, batch, causal, log):
+def tune(head_dim, heads, seqlen, batch, causal, log, backward=True):
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
     flops = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
     best_fwd = min(FWD, key=lambda c: _report(log, "fwd", c, flops, _time_fwd(c, q, k, v, causal)))
+    if not backward:
+        return best_fwd, DKDV[0], DQ[0]
     best_dkdv = min(DKDV, key=lambda c: _report(log, "dkdv", c, 2.5 * flops,
                                                 _time_bwd(best_fwd, c, DQ[0], q, k, v, do, causal)))
     best_dq = min(DQ, key=lambda c: _report(log, "dq", c, 2.5 * flops,
@@ -75,6 +77,7 @@ if __name__ == "__main__":
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--forward-only", action="store_true", help="tune the forward tiles only")
     args = ap.parse_args()
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor
@@ -83,13 +86,15 @@ if __name__ == "__main__":
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in (False, True):
             print(f"d={d} causal={causal}", flush=True)
-            best = tune(d, 16 if d >= 128 else 32, args.seqlen, args.tokens // args.seqlen, causal, log)
+            best = tune(d, 16 if d >= 128 else 32, args.seqlen, args.tokens // args.seqlen, causal, log,
+                        backward=not args.forward_only)
             table[flash_plan.tuned_key(arch, d, causal)] = best
             print(f"  best {best}", flush=True)
     with open(args.out, "w") as f:
         json.dump(table, f, indent=1)
     with open(os.path.splitext(args.out)[0] + "_log.json", "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       tma=os.environ.get("DUALATTN_TMA", "1") != "0",
                        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.time() - t0,
                        measurements=log), f, indent=1)
     print(json.dumps(table))

@@ -62,6 +62,7 @@ class Variant:
     dropout: float = 0.0
     varlen: bool = False
     sparse: Optional[Tuple[int, int]] = None  # block-sparse layout (block_q, block_k), one per head
+    tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -109,8 +110,8 @@ class Variant:
             nq, nk = -(-self.sq // bq), -(-self.sk // bk)
             extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
-        fwd = flash_plan.plan_forward(shapes, options, strides, config=config, **extra)
-        bwd = flash_plan.plan_backward(shapes, options, strides, config=config, **extra)
+        fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma, **extra)
+        bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
         if self.dropout > 0:
             dtypes["dropout_seed"] = "int32"   # (1,) int32 array, so JAX can trace the seed
@@ -211,6 +212,36 @@ def test_hopper_forward_uses_wgmma():
     launch, ptx = _run_case(FAST[0], "fwd", 90)
     assert launch.constexpr_dict["BLOCK_M"] >= 64
     assert "wgmma.mma_async" in ptx, "sm_90 bf16 forward fell back to mma.sync"
+
+
+# TMA tile loads: what the torch launcher compiles on Hopper (sm_90 only; jax-triton never asks).
+TMA_FAST = (
+    Variant("tma-bf16-d128-causal", causal=True, tma=True),
+    Variant("tma-fp16-d64-gqa-window-softcap-bias-sinks", dtype="float16", d=64, hq=4, hkv=2, window=(16, 8),
+            softcap=30.0, bias="bcast", sinks=("head", 1), tma=True),
+    Variant("tma-bf16-d128-dv64-varlen-gqa-causal-dropout", d=128, dv=64, hq=8, hkv=2, causal=True, dropout=0.1,
+            varlen=True, tma=True),
+    Variant("tma-bf16-d128-blocksparse128-causal", sq=256, sk=256, causal=True, sparse=(128, 128), tma=True),
+)
+
+
+# The block-sparse forward runs 2-stage tiles, which the plan keeps on pointer loads (ptxas 3.6 crashed
+# on 2-stage TMA forwards): see test_plan_refuses_tma_where_illegal.
+@pytest.mark.parametrize("variant, kernel", [pytest.param(v, k, id=f"{k}-{v.name}") for v in TMA_FAST
+                                             for k in DOT_KERNELS if not (v.sparse and k == "fwd")])
+def test_compile_tma(variant, kernel):
+    """Each loop's tiles arrive by TMA bulk copies (no cp.async left in the loops that take them)."""
+    launch, ptx = _run_case(variant, kernel, 90)
+    assert launch.constexpr_dict["TMA"], f"{variant.name}: the plan refused TMA"
+    assert "cp.async.bulk.tensor" in ptx, f"{variant.name}: {launch.kernel} issues no TMA copy"
+
+
+def test_plan_refuses_tma_where_illegal():
+    # A head stride of 40 elements (80 bytes) is not 16-element aligned; 256-wide tiles crash ptxas 3.6.
+    assert not Variant("d40", d=40, tma=True).launch("fwd", 90)[0].constexpr_dict["TMA"]
+    assert not Variant("d256", d=256, tma=True).launch("dq", 90)[0].constexpr_dict["TMA"]
+    assert not Variant("no-ask", d=128).launch("fwd", 90)[0].constexpr_dict["TMA"]
+    assert not TMA_FAST[-1].launch("fwd", 90)[0].constexpr_dict["TMA"]  # 2-stage forward tiles
 
 
 # jax-triton 0.3.1 ignores do_not_specialize and turns every int argument equal to 1 into a

@@ -10,6 +10,9 @@ Static options cross the custom-op boundary as primitive fields of FlashOptions.
 """
 from __future__ import annotations
 
+import collections
+import functools
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -87,11 +90,37 @@ def _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_i
 
 def _shapes(a: dict, max_seqlen_q: int, max_seqlen_k: int):
     varlen = a["cu_seqlens_q"] is not None
-    return check_flash_args(a["query"], a["key"], a["value"], bias=a["bias"], attention_mask=a["attention_mask"],
-                            q_segment_ids=a["q_segment_ids"], kv_segment_ids=a["kv_segment_ids"],
-                            softmax_aux=a["softmax_aux"], cu_seqlens_q=a["cu_seqlens_q"],
-                            cu_seqlens_k=a["cu_seqlens_k"], max_seqlen_q=max_seqlen_q if varlen else None,
-                            max_seqlen_k=max_seqlen_k if varlen else None)
+    return _checked(*(a[n] for n in _TENSOR_ARGS[:10]), max_seqlen_q=max_seqlen_q if varlen else None,
+                    max_seqlen_k=max_seqlen_k if varlen else None)
+
+
+_Meta = collections.namedtuple("_Meta", "shape dtype")
+
+
+@functools.lru_cache(maxsize=512)
+def _check_metadata(metas: tuple, max_seqlen_q, max_seqlen_k):
+    return check_flash_args(*metas[:3], **dict(zip(_TENSOR_ARGS[3:10], metas[3:])), max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k)
+
+
+def _checked(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, cu_seqlens_q,
+             cu_seqlens_k, *, max_seqlen_q, max_seqlen_k):
+    """check_flash_args, memoised on what it reads (shapes and dtypes): a call validates and plans
+    the same sizes three times (public function, forward op, backward op), ~10 us each."""
+    tensors = (query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, cu_seqlens_q,
+               cu_seqlens_k)
+    if torch.compiler.is_compiling():  # symbolic sizes are not hashable
+        return check_flash_args(*tensors[:3], **dict(zip(_TENSOR_ARGS[3:10], tensors[3:])),
+                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    metas = tuple(None if t is None else _Meta(tuple(t.shape), t.dtype) for t in tensors)
+    return _check_metadata(metas, max_seqlen_q, max_seqlen_k)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu(index: int) -> Tuple[str, int]:
+    """(name, arch as 90 / 80) of a CUDA device: fixed for the process, asked once."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return torch.cuda.get_device_name(index), major * 10 + minor
 
 
 def _config(shapes, options, device):
@@ -99,12 +128,25 @@ def _config(shapes, options, device):
     if device.type == "cpu":
         return executor.select_config("flash", platform="cpu", backend="triton-interpret", device_name="cpu",
                                       shapes=shapes, options=options)
-    major, minor = torch.cuda.get_device_capability(device)
+    name, arch = _gpu(device.index if device.index is not None else torch.cuda.current_device())
     from ._autotune import flash_autotune_fn
-    return executor.select_config("flash", platform="cuda", backend="triton",
-                                  device_name=torch.cuda.get_device_name(device), arch=major * 10 + minor,
+    return executor.select_config("flash", platform="cuda", backend="triton", device_name=name, arch=arch,
                                   shapes=shapes, options=options,
                                   autotune_fn=flash_autotune_fn(shapes, options, device))
+
+
+def _tma(a: dict) -> bool:
+    """Whether to ask the plan for TMA tile loads (rules.row_tiles; the plan still checks strides
+    and tile widths).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they measured no
+    faster than the pointer loads (benchmarks/NOTES.md step 13), and the JAX launcher cannot use
+    them, so by default both frameworks run the identical variant.  Needs Hopper or later (or the
+    CPU interpreter, which emulates descriptors) and 16-byte-aligned bases (a view may not be)."""
+    if os.environ.get("DUALATTN_TMA", "0") != "1":
+        return False
+    query = a["query"]
+    if query.device.type == "cuda" and _gpu(query.device.index)[1] < 90:
+        return False
+    return all(a[n].data_ptr() % 16 == 0 for n in ("query", "key", "value", "out", "dout") if a.get(n) is not None)
 
 
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
@@ -125,7 +167,7 @@ def _flash_fwd_impl(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Te
     a, shapes, options, sparse, config = _problem(dict(locals()))
     out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
     launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}), config=config,
-                                     diag_shift=diag_shift, sparse=sparse)
+                                     diag_shift=diag_shift, sparse=sparse, tma=_tma(a))
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"]
 
@@ -160,7 +202,7 @@ def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: 
     a.update(out=_cpu_upcast(out).contiguous(), dout=_cpu_upcast(dout).to(a["query"].dtype).contiguous(),
              lse=lse.contiguous())
     plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}), config=config,
-                                    diag_shift=diag_shift, sparse=sparse)
+                                    diag_shift=diag_shift, sparse=sparse, tma=_tma(a))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)
@@ -282,10 +324,8 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     check_dropout(dropout_prob, dropout_seed)
-    shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
-                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    shapes = _checked(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if shapes.varlen and not torch.compiler.is_compiling() and not _capturing(cu_seqlens_q):
         # A device->host copy of the (small) tables: a sync on CUDA, so skipped where it cannot
         # happen (torch.compile graphs, CUDA-graph capture); a bad table would read out of bounds.

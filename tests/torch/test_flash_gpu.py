@@ -101,3 +101,23 @@ def test_gpu_varlen_bf16():
         assert_close_rel(out[s:e], ref[0], 1e-2, f"out seq {i}")
         for name, a, b in zip(("dq", "dk", "dv"), gk, rg):
             assert_close_rel(a[s:e], b[0], 1e-2, f"{name} seq {i}")
+
+
+def test_gpu_cached_launch_keeps_variants_apart():
+    # After its first launch a plan's compiled kernel is called directly (torch_api/_launch.py),
+    # keyed on what Triton specialises on: a base pointer off 16-byte alignment must get its own
+    # variant (the aligned one would fault or read wrong rows), and repeated calls the same bits.
+    from dualattn.torch_api import _launch
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 512, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    first = flash_attention(q, k, v, causal=True)
+    again = flash_attention(q, k, v, causal=True)
+    assert torch.equal(first, again)
+    buf = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)
+    q_off = buf[1:].view_as(q)  # 2 bytes past an aligned base
+    q_off.copy_(q)
+    assert q_off.data_ptr() % 16 != 0
+    for _ in range(2):
+        assert torch.equal(flash_attention(q_off, k, v, causal=True), first)
+    variants = [specs for launch, specs, _ in _launch._COMPILED.values() if launch.kernel == "flash_fwd_kernel"]
+    assert any(len(specs) >= 2 for specs in variants), "aligned and misaligned queries shared one variant"

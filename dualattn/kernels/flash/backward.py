@@ -11,8 +11,10 @@ group, so no atomics are needed.  Tile ranges come from rules.band_range, as in 
 import triton
 import triton.language as tl
 
-from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, PREPROCESS_INTS, LN2, aligned, load_ids, program_tile, sequence_bounds, tile_start, load_bias, rows_cols, LOG2E, dropout_keep, dropout_row_hash, key_range, load_tile, logits, query_range,
-                    reduce_sum, tile_mask)
+from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
+                    dropout_keep, dropout_row_hash, key_range, load_bias, load_ids, load_rows, load_tile, logits,
+                    program_tile, query_range, reduce_sum, row_tiles, rows_cols, sequence_bounds, tile_mask,
+                    tile_start)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
@@ -89,7 +91,7 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
-                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS_ROW, DBIAS_ROW,
+                Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS_ROW, DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                 dropout_seed, dropout_threshold, dropout_scale,
@@ -98,7 +100,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
     # the dV and dK products consume, with no register transposes.  [lo, hi) are query
     # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
@@ -108,10 +110,10 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_M):
         start_m = tile_start(it, BLOCK_LIST, first_block, BLOCK_M, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
-                      offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-        do = load_tile(DO_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], offs_m, seqlen_q,
-                       offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_M, BLOCK_DV]
+        q = load_rows(Q_TILES, start_m, offs_m, stride_qs, seqlen_q, offs_d, HEAD_DIM, POSITIONAL,
+                      BLOCK_D != HEAD_DIM, TMA)  # [BLOCK_M, BLOCK_D]
+        do = load_rows(DO_TILES, start_m, offs_m, stride_os, seqlen_q, offs_dv, HEAD_DIM_V, POSITIONAL,
+                       BLOCK_DV != HEAD_DIM_V, TMA)  # [BLOCK_M, BLOCK_DV]
         in_rows = offs_m < seqlen_q
         lse = tl.load(LSE_HEAD + offs_m, mask=in_rows, other=0.0)
         delta = tl.load(DELTA_HEAD + offs_m, mask=in_rows, other=0.0)
@@ -160,7 +162,7 @@ def flash_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
 ):
     # Key tiles busiest-first, as ordered for the group's first query head.  Dense: causal
     # key tiles see fewer queries the later they are; with only a left window bound the last
@@ -207,8 +209,10 @@ def flash_bwd_dkdv_kernel(
             start, full_start, full_end, end = 0, n_active, n_active, n_active
             BLOCK_LIST = SPARSE_Q_INDEX + layout_k * num_q_blocks
         batch_head = b * num_heads_q + h
-        Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-        DO_HEAD = DO + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+        Q_TILES = row_tiles(Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh, seqlen_q,
+                            stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        DO_TILES = row_tiles(DO + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh, seqlen_q,
+                             stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, TMA)
         LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
         DELTA_HEAD = DELTA + b64 * stride_lse_b + h * stride_lse_h + q_start  # same layout as LSE
         BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
@@ -220,14 +224,14 @@ def flash_bwd_dkdv_kernel(
             hi = full_start if segment == 0 else (full_end if segment == 1 else end)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
-                Q_HEAD, DO_HEAD, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
+                Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
                 DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                 dropout_seed, dropout_threshold, dropout_scale,
                 segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS)
+                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
@@ -239,7 +243,7 @@ def flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
-              K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
+              K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
               stride_ks, stride_vs, bias_stride_s, mask_stride_s,
               seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
               dropout_threshold, dropout_scale,
@@ -248,17 +252,17 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLO
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
     for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
         start_n = tile_start(it, BLOCK_LIST, first_block, BLOCK_N, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
-                      offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-        v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
-                      offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+        k = load_rows(K_TILES, start_n, offs_n, stride_ks, seqlen_k, offs_d, HEAD_DIM, POSITIONAL,
+                      BLOCK_D != HEAD_DIM, TMA)  # [BLOCK_N, BLOCK_D]
+        v = load_rows(V_TILES, start_n, offs_n, stride_vs, seqlen_k, offs_dv, HEAD_DIM_V, POSITIONAL,
+                      BLOCK_DV != HEAD_DIM_V, TMA)  # [BLOCK_N, BLOCK_DV]
         k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
         k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
@@ -297,7 +301,7 @@ def flash_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -331,8 +335,10 @@ def flash_bwd_dq_kernel(
     row_hash = 0
     if HAS_DROPOUT:
         row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
-    K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
-    V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
+    K_TILES = row_tiles(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh, seqlen_k,
+                        stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    V_TILES = row_tiles(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh, seqlen_k,
+                        stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
     BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
     MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
     KSEG_ROW = KSEG + b64 * seg_stride_kb
@@ -349,13 +355,13 @@ def flash_bwd_dq_kernel(
         lo = start if segment == 0 else (full_start if segment == 1 else full_end)
         hi = full_start if segment == 0 else (full_end if segment == 1 else end)
         dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
-                       K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
+                       K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                        stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                        seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                        dropout_threshold, dropout_scale,
                        segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                       BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS)
+                       BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
     tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),

@@ -9,12 +9,14 @@ Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 import triton
 import triton.language as tl
 
-from .rules import FWD_INTS, LN2, aligned, program_tile, sequence_bounds, tile_start, LOG2E, dropout_keep, dropout_row_hash, key_range, load_bias, load_ids, load_tile, logits, reduce_max, reduce_sum, tile_mask
+from .rules import (FWD_INTS, LN2, LOG2E, aligned, dropout_keep, dropout_row_hash, key_range, load_bias, load_ids,
+                    load_rows, load_tile, logits, program_tile, reduce_max, reduce_sum, row_tiles, sequence_bounds,
+                    tile_mask, tile_start)
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
-               K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
+               K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                seqlen_q, seqlen_k, diag, window_left, window_right,
                sm_scale, softcap, dropout_threshold, dropout_scale,
@@ -23,7 +25,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr):
     # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
     # BLOCK_LIST, the active key blocks of this query block.
     offs_d = tl.arange(0, BLOCK_D)
@@ -33,8 +35,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
         start_n = tile_start(it, BLOCK_LIST, first_block, BLOCK_N, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
-        k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
-                      offs_d, HEAD_DIM, POSITIONAL, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        k = load_rows(K_TILES, start_n, offs_n, stride_ks, seqlen_k, offs_d, HEAD_DIM, POSITIONAL,
+                      BLOCK_D != HEAD_DIM, TMA)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if HAS_BIAS or HAS_SOFTCAP or POSITIONAL:
             bias = 0.0
@@ -66,8 +68,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
         if HAS_DROPOUT:
             keep = dropout_keep(row_hash, offs_n, dropout_threshold, False)
             p = tl.where(keep, p * dropout_scale, 0.0)
-        v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
-                      offs_dv, HEAD_DIM_V, POSITIONAL, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+        v = load_rows(V_TILES, start_n, offs_n, stride_vs, seqlen_k, offs_dv, HEAD_DIM_V, POSITIONAL,
+                      BLOCK_DV != HEAD_DIM_V, TMA)  # [BLOCK_N, BLOCK_DV]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -92,7 +94,7 @@ def flash_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -118,6 +120,8 @@ def flash_fwd_kernel(
     V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
     q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
                   offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    K_TILES = row_tiles(K_HEAD, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    V_TILES = row_tiles(V_HEAD, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
 
     BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
     MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
@@ -158,13 +162,13 @@ def flash_fwd_kernel(
         hi = full_start if segment == 0 else (full_end if segment == 1 else end)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
-            K_HEAD, V_HEAD, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
+            K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
             stride_ks, stride_vs, bias_stride_s, mask_stride_s,
             seqlen_q, seqlen_k, diag, window_left, window_right,
             sm_scale, softcap, dropout_threshold, dropout_scale,
             segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-            BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS)
+            BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0

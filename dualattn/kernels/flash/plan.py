@@ -215,6 +215,15 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
     return scalars, constexprs
 
 
+def _use_tma(requested: bool, shapes: FlashShapes, constexprs) -> bool:
+    """TMA tile loads (rules.row_tiles) where the launcher asked for them and a descriptor is
+    legal: 16-byte aligned rows and head offsets (every stride a multiple of 16 elements; the
+    launcher checks the base pointers) and tiles at most 128 wide (ptxas 3.6 crashes on
+    256-wide TMA tiles, checked offline for sm_90)."""
+    const = dict(constexprs)
+    return bool(requested) and const["STRIDES_ALIGNED"] and max(const["BLOCK_D"], const["BLOCK_DV"]) <= 128
+
+
 def _with_constexpr(constexprs, name, value):
     return tuple((k, value if k == name else v) for k, v in constexprs)
 
@@ -235,20 +244,21 @@ def _memoised(plan_fn):
     """Plans are pure functions of hashable descriptions: build each one once per process.
     (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
     cached = functools.lru_cache(maxsize=1024)(
-        lambda shapes, options, strides, config, diag_shift, sparse: plan_fn(
-            shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse))
+        lambda shapes, options, strides, config, diag_shift, sparse, tma: plan_fn(
+            shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse, tma=tma))
 
     @functools.wraps(plan_fn)
-    def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None):
+    def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None, tma=False):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
-        return cached(shapes, options, frozen, config, int(diag_shift), sparse)
+        return cached(shapes, options, frozen, config, int(diag_shift), sparse, bool(tma))
     plan.cache_clear = cached.cache_clear
     return plan
 
 
 @_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
-                 config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None) -> Launch:
+                 config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
+                 tma: bool = False) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -265,7 +275,10 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
         grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
         inputs=FWD_INPUTS, scalars=scalars,
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32")),
-        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
+        # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
+        # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n),
+                                 ("TMA", _use_tma(tma, shapes, constexprs) and t.num_stages != 2)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
 
@@ -282,7 +295,8 @@ class BackwardPlan:
 
 @_memoised
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
-                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None) -> BackwardPlan:
+                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
+                  tma: bool = False) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout)."""
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
@@ -320,6 +334,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
 
+    use_tma = _use_tma(tma, shapes, constexprs)
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = config.bwd_dkdv
@@ -332,7 +347,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dbias", dbias_shape, "float32", zeroed=True)),
-        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
     if sparse is not None:
@@ -344,7 +359,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         inputs=BWD_KERNEL_INPUTS,
         scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape))),
         outputs=(Output("dquery", q_shape, "like:query"),),
-        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n)),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma)),
         num_warps=t.num_warps, num_stages=t.num_stages)
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
 

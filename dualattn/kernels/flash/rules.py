@@ -194,6 +194,33 @@ def load_tile(ptrs, offs_r, row_limit, offs_c, col_limit, CHECK_ROWS: tl.constex
     return x
 
 
+@triton.jit
+def row_tiles(HEAD, n_rows, stride_s, N_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+              TMA: tl.constexpr):
+    """What an inner loop reads one head's [rows, N_COLS] tiles from: the head's base pointer,
+    or with TMA a tensor-memory-accelerator descriptor built in the kernel.  A descriptor
+    zero-fills rows past n_rows and columns past N_COLS in hardware (no predicates), and the
+    software pipeliner turns its loads into asynchronous bulk copies (Hopper and later).
+    Needs 16-byte-aligned base and row stride: the launch plan checks, and launchers that
+    cannot allocate Triton's global scratch (jax-triton) never ask for it."""
+    if TMA:
+        return tl.make_tensor_descriptor(HEAD, shape=[n_rows, N_COLS], strides=[stride_s, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_COLS])
+    else:
+        return HEAD
+
+
+@triton.jit
+def load_rows(TILES, start, offs_r, stride_s, row_limit, offs_c, col_limit, CHECK_ROWS: tl.constexpr,
+              CHECK_COLS: tl.constexpr, TMA: tl.constexpr):
+    """The [R, C] tile of rows start + offs_r from what row_tiles returned (offs_r starts at start)."""
+    if TMA:
+        return TILES.load([start, 0])
+    else:
+        return load_tile(TILES + offs_r[:, None] * stride_s + offs_c[None, :], offs_r, row_limit, offs_c,
+                         col_limit, CHECK_ROWS, CHECK_COLS)
+
+
 # Reductions through the builtin tl.reduce with triton's own combine functions: tl.sum /
 # tl.max are @jit library functions that the per-launch interpreter (kernels/_interpret.py)
 # cannot call, while tl.reduce is a builtin; and the interpreter has numpy fast paths for
