@@ -89,11 +89,22 @@ def test_tma_matches_pointer_loads_varlen_interpreted(monkeypatch):
     _assert_same_bits(*_tma_flags(monkeypatch, fn, (q, k, v), dout))
 
 
-def test_tma_is_opt_in(monkeypatch):
+def _forward_tma_flags(monkeypatch) -> list:
+    """The TMA flag of every forward plan made from now on."""
     flags = []
     real = flash_plan.plan_forward
-    monkeypatch.setattr(flash_plan, "plan_forward",
-                        lambda *a, **k: flags.append(real(*a, **k).constexpr_dict["TMA"]) or real(*a, **k))
+
+    def spy(*a, **k):
+        launch = real(*a, **k)
+        flags.append(launch.constexpr_dict["TMA"])
+        return launch
+
+    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    return flags
+
+
+def test_tma_is_opt_in(monkeypatch):
+    flags = _forward_tma_flags(monkeypatch)
     monkeypatch.delenv("DUALATTN_TMA", raising=False)
     q = torch.randn(1, 32, 2, 16)
     flash_attention(q, q, q)
@@ -105,10 +116,7 @@ def test_tma_is_opt_in(monkeypatch):
 def test_misaligned_base_takes_pointer_loads(monkeypatch):
     # A view starting 2 elements in is not 16-byte aligned: TMA would fault, so the plan must not use it.
     monkeypatch.setenv("DUALATTN_TMA", "1")
-    flags = []
-    real = flash_plan.plan_forward
-    monkeypatch.setattr(flash_plan, "plan_forward",
-                        lambda *a, **k: flags.append(real(*a, **k).constexpr_dict["TMA"]) or real(*a, **k))
+    flags = _forward_tma_flags(monkeypatch)
     buf = torch.randn(2 * 32 * 2 * 16 + 2)
     q = buf[2:].view(2, 32, 2, 16)
     flash_attention(q, q, q)
