@@ -63,6 +63,7 @@ class Variant:
     varlen: bool = False
     sparse: Optional[Tuple[int, int]] = None  # block-sparse layout (block_q, block_k), one per head
     tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
+    lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -111,8 +112,11 @@ class Variant:
             extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
         fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma, **extra)
-        bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma, **extra)
+        bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
+                                       lse_grad=self.lse_grad, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
+        if self.lse_grad:
+            dtypes["dlse"] = "float32"
         if self.dropout > 0:
             dtypes["dropout_seed"] = "int32"   # (1,) int32 array, so JAX can trace the seed
         return fwd, bwd, dtypes
@@ -125,15 +129,16 @@ class Variant:
 # ---- default tier: every dtype, head dim and option on both archs, combined ----
 FAST = (
     Variant("bf16-d128"),
-    Variant("fp16-d64-gqa-causal-softcap-bcastbias-sinks1", dtype="float16", d=64, hq=4, hkv=2, causal=True,
-            softcap=30.0, bias="bcast", bias_dtype="float32", sinks=("head", 1)),
+    Variant("fp16-d64-gqa-causal-softcap-bcastbias-sinks1-dlse", dtype="float16", d=64, hq=4, hkv=2, causal=True,
+            softcap=30.0, bias="bcast", bias_dtype="float32", sinks=("head", 1), lse_grad=True),
     Variant("fp32-d80-window-mask-segments-sharedsinks3-dropout", dtype="float32", d=80, window=(16, 8),
             mask="full", segments=True, sinks=("shared", 3), dropout=0.1),
     Variant("bf16-d256-dv128-leftwindow-fullbias-bcastmask-dropout", d=256, dv=128,
             window=(32, None), bias="full", mask="bcast", dropout=0.2),
     Variant("bf16-d128-dv64-varlen-gqa-causal-sinks3-dropout", d=128, dv=64, hq=8, hkv=2, causal=True,
             sinks=("head", 3), sinks_dtype="float32", dropout=0.1, varlen=True),
-    Variant("fp16-d128-decode-mqa-causal", dtype="float16", sq=1, sk=100, hq=4, hkv=1, causal=True),
+    Variant("fp16-d128-decode-mqa-causal-dlse", dtype="float16", sq=1, sk=100, hq=4, hkv=1, causal=True,
+            lse_grad=True),
     Variant("bf16-d128-blocksparse128-causal", sq=256, sk=256, causal=True, sparse=(128, 128)),
 )
 

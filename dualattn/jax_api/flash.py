@@ -65,11 +65,12 @@ def _flash_triton_fwd(static: _Static, arrays: dict):
 
 def _flash_triton_bwd(static: _Static, residuals, cotangents):
     arrays, out, lse = residuals
-    dout, _ = cotangents  # lse is returned for merging/inspection; its cotangent is not propagated
+    dout, dlse = cotangents  # custom_vjp instantiates a zero cotangent for an unused output
     shapes = static.shapes
     plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
-                                    config=static.config, diag_shift=static.diag_shift, sparse=static.sparse)
-    a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse)
+                                    config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
+                                    lse_grad=True)
+    a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = dict(_launch.run(plan.dkdv, a))

@@ -35,18 +35,18 @@ def _ensure_scratch_allocator() -> None:
 
 
 # id(launch) -> (launch, {argument specialisation: (CompiledKernel, constexpr values)}, positions of
-# the ints Triton specialises).  Plans are
-# memoised, so a steady workload sees the same few Launch objects; the launch is kept in the
-# entry so its id cannot be reused while the entry lives.
-_COMPILED: Dict[int, Tuple[Launch, dict, Tuple[int, ...]]] = {}
+# the tensors, positions of the ints Triton specialises).  Plans are memoised, so a steady
+# workload sees the same few Launch objects; the launch is kept in the entry so its id cannot be
+# reused while the entry lives.
+_COMPILED: Dict[int, Tuple[Launch, dict, Tuple[int, ...], Tuple[int, ...]]] = {}
 _COMPILED_LOCK = threading.Lock()
 
 
-def _specialisation(args: list, ints: Tuple[int, ...]) -> tuple:
+def _specialisation(args: list, tensors: Tuple[int, ...], ints: Tuple[int, ...]) -> tuple:
     """What Triton's JITFunction specialises a compiled variant on: each tensor's dtype and
     16-byte alignment, and each int not in do_not_specialize being 1 or a multiple of 16."""
-    return (tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
-            + tuple((args[i] == 1, args[i] % 16 == 0) for i in ints if isinstance(args[i], int)))
+    return (tuple((args[i].dtype, args[i].data_ptr() % 16 == 0) for i in tensors)
+            + tuple((args[i] == 1, args[i] % 16 == 0) for i in ints))
 
 
 def _launch_cached(kernel, launch: Launch, args: list, device: torch.device) -> None:
@@ -56,10 +56,14 @@ def _launch_cached(kernel, launch: Launch, args: list, device: torch.device) -> 
     call below is the one JITFunction.run ends with (Triton 3.6 and 3.7)."""
     entry = _COMPILED.get(id(launch))
     if entry is None or entry[0] is not launch:
-        ints = tuple(p.num for p in kernel.params[:len(args)] if not p.do_not_specialize and not p.is_constexpr)
+        # A launch's argument kinds are fixed: inputs and outputs are tensors (absent inputs get
+        # a dummy tensor), scalars keep their python type.
+        tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        ints = tuple(p.num for p in kernel.params[:len(args)]
+                     if not p.do_not_specialize and not p.is_constexpr and type(args[p.num]) is int)
         with _COMPILED_LOCK:
-            entry = _COMPILED[id(launch)] = (launch, {}, ints)
-    spec = _specialisation(args, entry[2])
+            entry = _COMPILED[id(launch)] = (launch, {}, tensors, ints)
+    spec = _specialisation(args, entry[2], entry[3])
     hit = entry[1].get(spec)
     if hit is None:
         compiled = kernel[launch.grid](*args, **launch.constexpr_dict, num_warps=launch.num_warps,

@@ -66,18 +66,28 @@ def _sparse(a: dict, kv_count, kv_index, q_order, q_count, q_index, k_order, blo
     return flash_plan.SparseInfo(lb, lh, nq, nk, block_q, block_k, contiguous & 1 != 0, contiguous & 2 != 0)
 
 
-def _problem(named: dict):
-    """Launch inputs, sizes, options, block-sparse layout and tiles of one op call (fwd and bwd alike)."""
+_Resolved = collections.namedtuple("_Resolved", "shapes options config dropout_seed")
+
+
+def _problem(named: dict, resolved: Optional[_Resolved] = None):
+    """Launch inputs, sizes, options, block-sparse layout and tiles of one op call (fwd and bwd alike).
+
+    `resolved`: what the forward resolved for this call (sizes, options, config, seed tensor), which
+    eager backward passes back instead of validating and selecting again (host time, NOTES step 17).
+    """
     a = _inputs(*(named[n] for n in _TENSOR_ARGS[:10]))
     sparse = _sparse(a, *(named[n] for n in flash_plan.SPARSE_INPUTS), named["sparse_block_q"],
                      named["sparse_block_k"], named["sparse_contiguous"])
     a.update(q_positions=named["q_positions"], kv_positions=named["kv_positions"])
-    shapes = _shapes(a, named["max_seqlen_q"], named["max_seqlen_k"])
-    options = _options(named["softmax_scale"], named["window_left"], named["window_right"], named["logits_soft_cap"],
-                       named["dropout_prob"])
-    device = named["query"].device
-    a["dropout_seed"] = _seed_tensor(named["dropout_prob"], named["dropout_seed"], device)
-    return a, shapes, options, sparse, _config(shapes, options, device)
+    if resolved is None:
+        shapes = _shapes(a, named["max_seqlen_q"], named["max_seqlen_k"])
+        options = _options(named["softmax_scale"], named["window_left"], named["window_right"],
+                           named["logits_soft_cap"], named["dropout_prob"])
+        device = named["query"].device
+        resolved = _Resolved(shapes, options, _config(shapes, options, device),
+                             _seed_tensor(named["dropout_prob"], named["dropout_seed"], device))
+    a["dropout_seed"] = resolved.dropout_seed
+    return a, sparse, resolved
 
 
 def _inputs(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
@@ -164,12 +174,19 @@ def _flash_fwd_impl(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Te
               dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
-    a, shapes, options, sparse, config = _problem(dict(locals()))
-    out = torch.empty(flash_plan.out_shape(shapes), dtype=a["query"].dtype, device=query.device)
-    launch = flash_plan.plan_forward(shapes, options, _strides({**a, "out": out}), config=config,
-                                     diag_shift=diag_shift, sparse=sparse, tma=_tma(a))
+    out, lse, _ = _forward(dict(locals()))
+    return out, lse
+
+
+def _forward(named: dict):
+    """(out, lse, what was resolved for the call: eager backward reuses it)."""
+    a, sparse, r = _problem(named)
+    query = named["query"]
+    out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
+    launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
+                                     diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a))
     res = _launch.run(launch, a, outputs={"out": out})
-    return res["out"].to(query.dtype), res["lse"]
+    return res["out"].to(query.dtype), res["lse"], r
 
 
 flash_fwd = torch.library.custom_op("dualattn::flash_fwd", mutates_args=(), device_types=("cpu", "cuda"))(
@@ -187,7 +204,8 @@ def _(*args):
             query.new_empty(lse_shape, dtype=torch.float32))
 
 
-def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor,
+def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor], query: Tensor, key: Tensor,
+                    value: Tensor,
               bias: Optional[Tensor], attention_mask: Optional[Tensor], q_segment_ids: Optional[Tensor],
               kv_segment_ids: Optional[Tensor], softmax_aux: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
               cu_seqlens_k: Optional[Tensor], sparse_kv_count: Optional[Tensor], sparse_kv_index: Optional[Tensor],
@@ -196,13 +214,23 @@ def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: 
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
               dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads."""
-    a, shapes, options, sparse, config = _problem({k: v for k, v in locals().items() if k not in ("dout", "out", "lse")})
-    # dO is read with O's strides (both contiguous BSHD / packed).
+    """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads.
+    dlse (None: zero) is the cotangent of the forward's lse."""
+    named = {k: v for k, v in locals().items() if k not in ("dout", "out", "lse", "dlse")}
+    return _backward(named, dout, out, lse, dlse)
+
+
+def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+              resolved: Optional[_Resolved] = None):
+    a, sparse, r = _problem(named, resolved)
+    shapes = r.shapes
+    query, key, value, bias, softmax_aux = (named[n] for n in ("query", "key", "value", "bias", "softmax_aux"))
+    # dO is read with O's strides (both contiguous BSHD / packed), dlse with lse's.
     a.update(out=_cpu_upcast(out).contiguous(), dout=_cpu_upcast(dout).to(a["query"].dtype).contiguous(),
-             lse=lse.contiguous())
-    plan = flash_plan.plan_backward(shapes, options, _strides({k: a[k] for k in a if k != "lse"}), config=config,
-                                    diag_shift=diag_shift, sparse=sparse, tma=_tma(a))
+             lse=lse.contiguous(), dlse=None if dlse is None else dlse.float().contiguous())
+    plan = flash_plan.plan_backward(shapes, r.options, _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
+                                    config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
+                                    lse_grad=dlse is not None)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)
@@ -227,39 +255,54 @@ flash_bwd = torch.library.custom_op("dualattn::flash_bwd", mutates_args=(), devi
 
 
 @flash_bwd.register_fake
-def _(dout, out, lse, query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, *rest):
+def _(dout, out, lse, dlse, query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
+      *rest):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
             torch.empty_like(bias) if bias is not None else query.new_empty((0,)),
             torch.empty_like(softmax_aux) if softmax_aux is not None else query.new_empty((0,)))
 
 
-
-
-def _op(custom_op, impl):
-    """The custom op while torch.compile traces (one opaque node, fake impl for shapes); its
-    implementation directly in eager mode: the Python custom-op dispatch cost ~0.1 ms per call
-    (measured), as much as the whole forward kernel at S = 1024."""
-    return custom_op if torch.compiler.is_compiling() else impl
-
-
 class _FlashAttention(torch.autograd.Function):
     """Autograd over the two custom ops (as flash-attn does).  Not flash_fwd.register_autograd:
     its generated forward re-binds all 30 schema arguments on every call (torch._library.utils.
-    fill_defaults, ~0.35 ms of host time per call measured), which dominated short sequences."""
+    fill_defaults, ~0.35 ms of host time per call measured), which dominated short sequences.
+
+    While torch.compile traces, the custom ops (one opaque node each, fake impls for shapes); in
+    eager mode their implementations directly: the Python custom-op dispatch cost ~0.1 ms per
+    call (measured), as much as the whole forward kernel at S = 1024, and the backward reuses what
+    the forward resolved (sizes, options, config)."""
 
     @staticmethod
     def forward(ctx, *args):
-        out, lse = _op(flash_fwd, _flash_fwd_impl)(*args)
         named = dict(zip(_TENSOR_ARGS + _STATIC_ARGS, args))
+        if torch.compiler.is_compiling():
+            out, lse = flash_fwd(*args)
+            ctx.resolved = None
+        else:
+            out, lse, ctx.resolved = _forward(named)
         ctx.save_for_backward(out, lse, *(named[n] for n in _TENSOR_ARGS))
         ctx.static = tuple(named[n] for n in _STATIC_ARGS)
+        # No zero-filled dlse when only out is used (an allocation, a memset and a load less).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         out, lse, *tensors = ctx.saved_tensors
         named = dict(zip(_TENSOR_ARGS, tensors))
-        dq, dk, dv, dbias, dsinks = _op(flash_bwd, _flash_bwd_impl)(dout, out, lse, *tensors, *ctx.static)
+        if dout is None and dlse is None:
+            return (None,) * (len(_TENSOR_ARGS) + len(_STATIC_ARGS))
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
+        if torch.compiler.is_compiling():
+            dq, dk, dv, dbias, dsinks = flash_bwd(dout, out, lse, dlse, *tensors, *ctx.static)
+        else:
+            named.update(zip(_STATIC_ARGS, ctx.static))
+            resolved = ctx.resolved
+            override = executor.current_override("flash")
+            if override is not None:  # tiles pinned around the backward (the autotuner times them so)
+                resolved = resolved._replace(config=override)
+            dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved)
         grads = {"query": dq, "key": dk, "value": dv,
                  "bias": dbias if named["bias"] is not None else None,
                  "softmax_aux": dsinks if named["softmax_aux"] is not None else None}
@@ -403,7 +446,7 @@ def flash_attention(query: Tensor, key: Tensor, value: Tensor, *, softmax_scale:
         bias: float (B|1, Hq|1, Sq, Sk), added after scaling; differentiable.
         dropout_prob, dropout_seed: dropout on the probabilities; the mask is a pure function of
             (seed, b, h, i, j). seed None draws one from torch's default generator.
-        return_lse: also return the float32 log-sum-exp (B, Hq, Sq).
+        return_lse: also return the float32 log-sum-exp (B, Hq, Sq), differentiable.
 
     Returns:
         out (B, Sq, Hq, Dv) in query's dtype, or (out, lse). Fully masked rows give 0 (lse -inf).

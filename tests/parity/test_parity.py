@@ -44,17 +44,20 @@ def _inputs(rng, shapes, opts, dtype=np.float32):
     return x, kw, dout
 
 
-def _torch_run(x, kw, dout):
+def _torch_run(x, kw, dout, dlse=None):
     leaves = {n: torch.tensor(a, requires_grad=True) for n, a in x.items()}
     extra = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
     out, lse = dt.flash_attention(leaves["query"], leaves["key"], leaves["value"], bias=leaves.get("bias"),
                                   softmax_aux=leaves.get("softmax_aux"), return_lse=True, **extra)
-    grads = torch.autograd.grad(out, list(leaves.values()), torch.tensor(dout))
+    if dlse is None:
+        grads = torch.autograd.grad(out, list(leaves.values()), torch.tensor(dout))
+    else:
+        grads = torch.autograd.grad((out, lse), list(leaves.values()), (torch.tensor(dout), torch.tensor(dlse)))
     res = {"out": out, "lse": lse, **{"d" + n: g for n, g in zip(leaves, grads)}}
     return {k: v.detach().numpy() for k, v in res.items()}
 
 
-def _jax_run(x, kw, dout, backend):
+def _jax_run(x, kw, dout, backend, dlse=None):
     names = list(x)
     extra = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
 
@@ -64,7 +67,7 @@ def _jax_run(x, kw, dout, backend):
                                   softmax_aux=a.get("softmax_aux"), return_lse=True, backend=backend, **extra)
 
     (out, lse), vjp = jax.vjp(jax.jit(f), *[jnp.asarray(x[n]) for n in names])
-    grads = vjp((jnp.asarray(dout), jnp.zeros_like(lse)))
+    grads = vjp((jnp.asarray(dout), jnp.zeros_like(lse) if dlse is None else jnp.asarray(dlse)))
     res = {"out": out, "lse": lse, **{"d" + n: g for n, g in zip(names, grads)}}
     return {k: np.asarray(v) for k, v in res.items()}
 
@@ -95,6 +98,25 @@ def test_jax_backends_agree_with_triton_and_reference(name, shapes, opts, backen
     for key in ("out", "dquery", "dkey", "dvalue", "dbias", "dsoftmax_aux"):
         if key in j:
             assert relative_error(j[key], ref[key]) < 1e-4, f"{backend} {key}"
+
+
+@pytest.mark.parametrize("name,shapes,opts", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_lse_cotangent_same_in_torch_jax_triton_and_xla(name, shapes, opts, rng):
+    """A loss on both outputs: the Triton path takes dlse (delta - dlse), bitwise alike in the two
+    frameworks, and equal to the XLA path's (tested against the float64 reference in test_xla)."""
+    x, kw, dout = _inputs(rng, shapes, opts)
+    b, sq, _, hq, _, _ = shapes
+    dlse = rng.standard_normal((b, hq, sq)).astype(np.float32)
+    t = _torch_run(x, kw, dout, dlse)
+    j = _jax_run(x, kw, dout, "triton", dlse)
+    for key in t:
+        np.testing.assert_array_equal(j[key], t[key], err_msg=f"{key}: torch and jax triton differ")
+    xla = _jax_run(x, kw, dout, "xla", dlse)
+    plain = _torch_run(x, kw, dout)
+    for key in ("dquery", "dkey", "dsoftmax_aux", "dbias"):
+        if key in t:
+            assert relative_error(t[key], xla[key]) < 1e-4, key
+            assert relative_error(t[key], plain[key]) > 1e-3, f"{key}: the lse cotangent changed nothing"
 
 
 def test_dropout_drops_the_same_entries_in_torch_and_jax(rng):

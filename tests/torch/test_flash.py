@@ -166,8 +166,9 @@ DIFF_TENSORS = ("bias", "softmax_aux")
 
 
 def check_against_reference(q, k, v, tens, opts, gen, *, tol_out, tol_grad, varlen=None, dropout_keep=None,
-                            grads=True):
-    """Run the kernel (fwd + bwd) and the float64 reference on the same inputs and compare everything."""
+                            grads=True, lse_cotangent=False):
+    """Run the kernel (fwd + bwd) and the float64 reference on the same inputs and compare everything.
+    lse_cotangent: the backward also takes a random cotangent of lse (a loss that uses both outputs)."""
     dtype = q.dtype
     leaves = {"query": q, "key": k, "value": v, **{n: t for n, t in tens.items() if n in DIFF_TENSORS}}
     kleaves = {n: t.detach().clone().requires_grad_(grads) for n, t in leaves.items()}
@@ -199,8 +200,14 @@ def check_against_reference(q, k, v, tens, opts, gen, *, tol_out, tol_grad, varl
         return errs
     dout = randn(gen, *out.shape, dtype=dtype)
     names = list(kleaves)
-    kg = torch.autograd.grad(out, [kleaves[n] for n in names], dout)
-    rg = torch.autograd.grad(rout, [rleaves[n] for n in names], dout.to(torch.float64))
+    if lse_cotangent:
+        dlse = randn(gen, *lse.shape)
+        kg = torch.autograd.grad((out, lse), [kleaves[n] for n in names], (dout, dlse))
+        rg = torch.autograd.grad((rout, rlse), [rleaves[n] for n in names],
+                                 (dout.to(torch.float64), dlse.to(torch.float64)))
+    else:
+        kg = torch.autograd.grad(out, [kleaves[n] for n in names], dout)
+        rg = torch.autograd.grad(rout, [rleaves[n] for n in names], dout.to(torch.float64))
     for n, a, b in zip(names, kg, rg):
         assert a.shape == kleaves[n].shape and a.dtype == kleaves[n].dtype, (n, a.shape, a.dtype)
         errs["d" + n] = assert_close_rel(a, b, tol_grad, "d" + n)
@@ -212,6 +219,34 @@ def test_flash_vs_reference(name, dtype, torch_gen):
     c = CASES[name]
     q, k, v, tens = build_inputs(torch_gen, c, dtype)
     check_against_reference(q, k, v, tens, dict(c.opts), torch_gen, tol_out=TOL_OUT[dtype], tol_grad=TOL_GRAD[dtype])
+
+
+# The lse output is differentiable: d lse_i / d s_ij = P_ij (cases without fully masked rows, whose
+# -inf lse has no derivative in the reference).
+LSE_CASES = ["causal_window_gqa", "causal_sq_lt_sk", "sinks_causal_gqa", "softcap", "bias_bcast_1_h",
+             "mask_bias_softcap"]
+
+
+@pytest.mark.parametrize("name", LSE_CASES)
+def test_lse_cotangent_vs_reference(name, torch_gen):
+    c = CASES[name]
+    q, k, v, tens = build_inputs(torch_gen, c, torch.float32)
+    check_against_reference(q, k, v, tens, dict(c.opts), torch_gen, tol_out=TOL_OUT[torch.float32],
+                            tol_grad=TOL_GRAD[torch.float32], lse_cotangent=True)
+
+
+def test_lse_only_gradient(torch_gen):
+    q, k, v, tens = build_inputs(torch_gen, CASES["sinks_causal_gqa"], torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v, tens["softmax_aux"])]
+    _, lse = flash_attention(q, k, v, causal=True, softmax_aux=leaves[3], return_lse=True)
+    r64 = [t.detach().double().requires_grad_() for t in leaves]
+    _, rlse = reference_attention(*r64[:3], causal=True, softmax_aux=r64[3])
+    w = randn(torch_gen, *lse.shape)
+    dq, dk, dv, dsinks = torch.autograd.grad((lse * w).sum(), leaves)
+    assert torch.equal(dv, torch.zeros_like(dv))  # lse does not depend on v
+    rq, rk, rsinks = torch.autograd.grad((rlse * w.double()).sum(), [r64[0], r64[1], r64[3]])
+    for n, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dsinks", dsinks, rsinks)):
+        assert_close_rel(a, b, TOL_GRAD[torch.float32], n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,6 +389,19 @@ def test_varlen_vs_reference(name, dtype, torch_gen):
     varlen = (_cu(lq), _cu(lk), max(lq), max(lk))
     check_against_reference(q, k, v, tens, dict(c["opts"]), torch_gen, tol_out=TOL_OUT[dtype],
                             tol_grad=TOL_GRAD[dtype], varlen=varlen)
+
+
+@pytest.mark.parametrize("name", ["window_gqa", "sinks_softcap"])
+def test_varlen_lse_cotangent_vs_reference(name, torch_gen):
+    c = VARLEN_CASES[name]
+    lq, lk = c["lq"], c["lk"]
+    q = randn(torch_gen, sum(lq), c["Hq"], c["D"])
+    k = randn(torch_gen, sum(lk), c["Hkv"], c["D"])
+    v = randn(torch_gen, sum(lk), c["Hkv"], c["D"])
+    tens = {"softmax_aux": randn(torch_gen, *c["sinks"])} if "sinks" in c else {}
+    check_against_reference(q, k, v, tens, dict(c["opts"]), torch_gen, tol_out=TOL_OUT[torch.float32],
+                            tol_grad=TOL_GRAD[torch.float32], varlen=(_cu(lq), _cu(lk), max(lq), max(lk)),
+                            lse_cotangent=True)
 
 
 def test_varlen_matches_dense_per_sequence(torch_gen):

@@ -2,7 +2,7 @@
 
 Recomputes P = exp(S - lse) tile by tile from the forward's lse (FA2).  With the
 natural-unit pre-cap scores z = qk * scale + bias and S = cap * tanh(z / cap):
-    dP = dO V^T (dropout: times keep / (1 - p)),  dS = P (dP - delta),  delta = rowsum(dO * O)
+    dP = dO V^T (dropout: times keep / (1 - p)),  dS = P (dP - delta),  delta = rowsum(dO * O) - dlse
     dZ = dS (1 - tanh^2)  -> dbias = dZ, dQ = scale dZ K, dK = scale dZ^T Q, dV = P_dropped^T dO
     dsink_n = -sum_i exp(sink_n - lse_i) delta_i
 dK/dV programs own one key tile of one KV head and loop over the query heads of its GQA
@@ -12,20 +12,20 @@ import triton
 import triton.language as tl
 
 from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
-                    dropout_keep, dropout_row_hash, key_range, load_bias, load_ids, load_rows, load_tile, logits,
-                    program_tile, query_range, reduce_sum, row_tiles, rows_cols, sequence_bounds, tile_mask,
-                    tile_start)
+                    dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_tile, logits,
+                    loop_segment, program_tile, query_range, reduce_sum, row_tiles, rows_cols, sequence_bounds,
+                    tile_mask, tile_start)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
 def flash_bwd_preprocess_kernel(
-    O, DO, LSE, SINKS, CU_SEQLENS_Q,
+    O, DO, LSE, DLSE, SINKS, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     seqlen_q, num_heads_q,
     DELTA, DSINKS_PARTIAL,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SINKS_PER_HEAD: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -47,6 +47,10 @@ def flash_bwd_preprocess_kernel(
     do = load_tile(DO + ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V).to(tl.float32)
     delta = reduce_sum(o * do, 1)  # [BLOCK_M]
     lse_row = b.to(tl.int64) * stride_lse_b + h * stride_lse_h + q_start
+    if HAS_DLSE:
+        # d lse_i / d s_ij = P_ij, so an lse cotangent adds P_ij dlse_i to dS_ij = P_ij (dP_ij - delta_i):
+        # it is delta shifted by -dlse (the sinks' gradient below takes the same shift).
+        delta -= tl.load(DLSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
     tl.store(DELTA + lse_row + offs_m, delta, mask=offs_m < seqlen_q)
     if NUM_SINKS > 0:
         lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
@@ -90,6 +94,33 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
 
 
 @triton.jit
+def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
+                 bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                 dropout_threshold, dropout_scale, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                 HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """One tile's probabilities P (as dropout keeps them, for dV), dP and the soft-cap factor.
+
+    Query-major [BLOCK_M, BLOCK_N] from x, dx = q, dO and y, dy = k, v (dQ); key-major
+    [BLOCK_N, BLOCK_M] from x, dx = k, v and y, dy = q, dO when TRANSPOSED (dK/dV).
+    Returns (p, p_dropped, dp, cap_grad); dZ = p (dp - delta) cap_grad.
+    """
+    p, cap_grad = _probabilities(tl.dot(x, tl.trans(y), input_precision=DOT_PRECISION), offs_m, offs_n, lse,
+                                 q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW, bias_stride_s, mask_stride_s,
+                                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap, POSITIONAL,
+                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, TRANSPOSED,
+                                 HAS_POSITIONS)
+    dp = tl.dot(dx, tl.trans(dy), input_precision=DOT_PRECISION)
+    p_dropped = p
+    if HAS_DROPOUT:
+        keep = dropout_keep(row_hash, offs_n, dropout_threshold, TRANSPOSED)
+        p_dropped = tl.where(keep, p * dropout_scale, 0.0)
+        dp = tl.where(keep, dp * dropout_scale, 0.0)
+    return p, p_dropped, dp, cap_grad
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
                 Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS_ROW, DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
@@ -119,18 +150,12 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
         delta = tl.load(DELTA_HEAD + offs_m, mask=in_rows, other=0.0)
         q_seg = load_ids(QSEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS)
         q_pos = load_ids(QPOS_ROW, offs_m, seqlen_q, 0, HAS_POSITIONS)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        p_t, cap_grad = _probabilities(qk_t, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW,
-                                       bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
-                                       window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, True,
-                                       HAS_POSITIONS)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        p_dropped = p_t
-        if HAS_DROPOUT:
-            keep = dropout_keep(dropout_row_hash(dropout_seed, batch_head, offs_m), offs_n, dropout_threshold, True)
-            p_dropped = tl.where(keep, p_t * dropout_scale, 0.0)
-            dp_t = tl.where(keep, dp_t * dropout_scale, 0.0)
+        row_hash = dropout_row_hash(dropout_seed, batch_head, offs_m) if HAS_DROPOUT else 0
+        p_t, p_dropped, dp_t, cap_grad = _score_grads(  # [BLOCK_N, BLOCK_M] each
+            k, q, v, do, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
+            bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+            dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
+            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dz_t = p_t * (dp_t - delta[None, :]) * cap_grad  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
@@ -220,8 +245,7 @@ def flash_bwd_dkdv_kernel(
         DBIAS_ROW = DBIAS + b64 * dbias_stride_b + h * dbias_stride_h
         QSEG_ROW = QSEG + b64 * seg_stride_qb
         for segment in tl.static_range(3):
-            lo = start if segment == 0 else (full_start if segment == 1 else full_end)
-            hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+            lo, hi = loop_segment(segment, start, full_start, full_end, end)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
                 Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
@@ -265,16 +289,11 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLO
                       BLOCK_DV != HEAD_DIM_V, TMA)  # [BLOCK_N, BLOCK_DV]
         k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
         k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        p, cap_grad = _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW,
-                                     bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag,
-                                     window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, False,
-                                     HAS_POSITIONS)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if HAS_DROPOUT:
-            keep = dropout_keep(row_hash, offs_n, dropout_threshold, False)
-            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        p, _, dp, cap_grad = _score_grads(  # [BLOCK_M, BLOCK_N] each
+            q, k, do, v, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
+            bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+            dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
+            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS)
         dz = p * (dp - delta[:, None]) * cap_grad
         dq = tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -343,17 +362,11 @@ def flash_bwd_dq_kernel(
     MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
     KSEG_ROW = KSEG + b64 * seg_stride_kb
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    if BLOCK_SPARSE:
-        n_active = tl.load(SPARSE_KV_COUNT + layout_q + pid_m)
-        start, full_start, full_end, end = 0, n_active, n_active, n_active
-        BLOCK_LIST = SPARSE_KV_INDEX + (layout_q + pid_m) * num_k_blocks
-    else:
-        start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
-                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        BLOCK_LIST = SPARSE_KV_INDEX  # unused
+    start, full_start, full_end, end, BLOCK_LIST = key_tiles(
+        m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
+        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     for segment in tl.static_range(3):
-        lo = start if segment == 0 else (full_start if segment == 1 else full_end)
-        hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+        lo, hi = loop_segment(segment, start, full_start, full_end, end)
         dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
                        K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                        stride_ks, stride_vs, bias_stride_s, mask_stride_s,

@@ -9,9 +9,9 @@ Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 import triton
 import triton.language as tl
 
-from .rules import (FWD_INTS, LN2, LOG2E, aligned, dropout_keep, dropout_row_hash, key_range, load_bias, load_ids,
-                    load_rows, load_tile, logits, program_tile, reduce_max, reduce_sum, row_tiles, sequence_bounds,
-                    tile_mask, tile_start)
+from .rules import (FWD_INTS, LN2, LOG2E, aligned, dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids,
+                    load_rows, load_tile, logits, loop_segment, program_tile, reduce_max, reduce_sum, row_tiles,
+                    sequence_bounds, tile_mask, tile_start)
 
 
 @triton.jit
@@ -146,20 +146,11 @@ def flash_fwd_kernel(
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
 
-    if BLOCK_SPARSE:
-        # The whole list of active key blocks, position-masked (the layout is user-given).
-        n_active = tl.load(SPARSE_KV_COUNT + layout_q + pid_m)
-        start, full_start, full_end, end = 0, n_active, n_active, n_active
-        BLOCK_LIST = SPARSE_KV_INDEX + (layout_q + pid_m) * num_k_blocks
-    else:
-        start, full_start, full_end, end = key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
-                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        BLOCK_LIST = SPARSE_KV_INDEX  # unused
+    start, full_start, full_end, end, BLOCK_LIST = key_tiles(
+        m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
+        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     for segment in tl.static_range(3):
-        # Edge tiles [start, full_start) and [full_end, end) need the position mask; the
-        # interior [full_start, full_end) does not.
-        lo = start if segment == 0 else (full_start if segment == 1 else full_end)
-        hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+        lo, hi = loop_segment(segment, start, full_start, full_end, end)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
             K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,

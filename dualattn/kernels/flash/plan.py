@@ -244,13 +244,14 @@ def _memoised(plan_fn):
     """Plans are pure functions of hashable descriptions: build each one once per process.
     (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
     cached = functools.lru_cache(maxsize=1024)(
-        lambda shapes, options, strides, config, diag_shift, sparse, tma: plan_fn(
-            shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse, tma=tma))
+        lambda shapes, options, strides, config, diag_shift, sparse, flags: plan_fn(
+            shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse, **dict(flags)))
 
     @functools.wraps(plan_fn)
-    def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None, tma=False):
+    def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None, **flags):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
-        return cached(shapes, options, frozen, config, int(diag_shift), sparse, bool(tma))
+        return cached(shapes, options, frozen, config, int(diag_shift), sparse,
+                      tuple(sorted((k, bool(v)) for k, v in flags.items())))
     plan.cache_clear = cached.cache_clear
     return plan
 
@@ -296,8 +297,11 @@ class BackwardPlan:
 @_memoised
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                  tma: bool = False) -> BackwardPlan:
-    """The three backward launches.  `strides` must include 'out' (also used for dout)."""
+                  tma: bool = False, lse_grad: bool = False) -> BackwardPlan:
+    """The three backward launches.  `strides` must include 'out' (also used for dout).
+
+    lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
+    """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     scalar = dict(scalars)
@@ -311,15 +315,18 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     preprocess = Launch(
         module="flash.backward", kernel="flash_bwd_preprocess_kernel",
         grid=(n_m_blocks, shapes.batch * shapes.heads_q, 1),
-        inputs=("out", "dout", "lse", "softmax_aux", "cu_seqlens_q"),
+        inputs=("out", "dout", "lse", "dlse", "softmax_aux", "cu_seqlens_q"),
         scalars=tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b",
                                                 "stride_lse_h", "seqlen_q", "num_heads_q")),
+        # Placeholders the kernels never write (no sinks, no bias) are not zero-filled: a memset
+        # launch each, host time that counts at short sequences (benchmarks/NOTES.md step 17).
         outputs=(Output("delta", lse_shape, "float32"),
                  Output("dsinks_partial", (shapes.batch * shapes.heads_q * n_m_blocks, max(1, num_sinks)),
-                        "float32", zeroed=True)),
+                        "float32", zeroed=num_sinks > 0)),
         constexprs=(("HEAD_DIM_V", shapes.head_dim_v), ("BLOCK_DV", const["BLOCK_DV"]), ("BLOCK_M", pre_m),
                     ("NUM_SINKS", num_sinks), ("BLOCK_SINKS", const["BLOCK_SINKS"]), ("IS_VARLEN", varlen),
-                    ("SINKS_PER_HEAD", shapes.sinks_per_head), ("STRIDES_ALIGNED", const["STRIDES_ALIGNED"])),
+                    ("SINKS_PER_HEAD", shapes.sinks_per_head), ("STRIDES_ALIGNED", const["STRIDES_ALIGNED"]),
+                    ("HAS_DLSE", lse_grad)),
         num_warps=4, num_stages=1)
 
     def grad_strides(name, shape):
@@ -346,7 +353,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         + tuple(zip(("stride_dvb", "stride_dvs", "stride_dvh"), grad_strides("dv", v_shape)))
         + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
-                 Output("dbias", dbias_shape, "float32", zeroed=True)),
+                 Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias)),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 

@@ -52,11 +52,34 @@ def band_range(t0, fixed_limit, other_limit, offset, lo_width, hi_width,
 
 
 @triton.jit
-def key_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Key tiles for the query tile at m0 (forward and dQ)."""
-    return band_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
-                      BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+def key_tiles(m0, tile, layout_row, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
+              window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+    """What the query tile at m0 loops over (forward and dQ): (start, full_start, full_end, end, BLOCK_LIST).
+
+    Dense: key positions of the band, split at full_start / full_end into masked edges and an
+    unmasked interior.  Block-sparse: indices into the tile's list of active key blocks (row
+    `layout_row + tile` of the layout), all position-masked: the layout is user-given.
+    """
+    if BLOCK_SPARSE:
+        row = layout_row + tile
+        n_active = tl.load(SPARSE_KV_COUNT + row)
+        start, full_start, full_end, end = 0, n_active, n_active, n_active
+        BLOCK_LIST = SPARSE_KV_INDEX + row * num_k_blocks
+    else:
+        start, full_start, full_end, end = band_range(m0, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                      BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        BLOCK_LIST = SPARSE_KV_INDEX  # unused
+    return start, full_start, full_end, end, BLOCK_LIST
+
+
+@triton.jit
+def loop_segment(segment: tl.constexpr, start, full_start, full_end, end):
+    """[lo, hi) of loop segment 0, 1, 2: the masked leading edge, the unmasked interior, the masked
+    trailing edge (segment 1 alone compiles without position masks)."""
+    lo = start if segment == 0 else (full_start if segment == 1 else full_end)
+    hi = full_start if segment == 0 else (full_end if segment == 1 else end)
+    return lo, hi
 
 
 @triton.jit
