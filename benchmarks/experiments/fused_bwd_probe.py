@@ -18,6 +18,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dualattn.torch_api as dt
+from ws_probe import head_rows  # run as a script: this folder is on sys.path
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -34,11 +35,9 @@ def probe_bwd(Q, K, V, DO, LSE, DELTA, DQ_ACC, DK, DV, seqlen, heads, sm_scale,
     bh = tl.program_id(1)
     base = (bh // heads).to(tl.int64) * seqlen * heads * D + (bh % heads) * D
     stride = heads * D
-    kd = tl.make_tensor_descriptor(K + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BN, D])
-    vd = tl.make_tensor_descriptor(V + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BN, D])
-    qd = tl.make_tensor_descriptor(Q + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BM, D])
-    dod = tl.make_tensor_descriptor(DO + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BM, D])
-    dqd = tl.make_tensor_descriptor(DQ_ACC + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BM, D])
+    kd, vd = head_rows(K, base, seqlen, stride, BN, D), head_rows(V, base, seqlen, stride, BN, D)
+    qd, dod = head_rows(Q, base, seqlen, stride, BM, D), head_rows(DO, base, seqlen, stride, BM, D)
+    dqd = head_rows(DQ_ACC, base, seqlen, stride, BM, D)
     n0 = pid_n * BN
     k = kd.load([n0, 0])
     v = vd.load([n0, 0])

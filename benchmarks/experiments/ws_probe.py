@@ -22,6 +22,12 @@ def _scratch(size, alignment, stream):
 
 
 @triton.jit
+def head_rows(X, base, seqlen, stride, BLOCK: tl.constexpr, D: tl.constexpr):
+    """TMA descriptor over one head's [seqlen, D] rows (also used by fused_bwd_probe.py)."""
+    return tl.make_tensor_descriptor(X + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BLOCK, D])
+
+
+@triton.jit
 def probe_fwd(Q, K, V, O, seqlen, heads, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               WS: tl.constexpr):
     # BSHD, contiguous: rows of one head are heads * D apart.
@@ -29,10 +35,8 @@ def probe_fwd(Q, K, V, O, seqlen, heads, sm_scale, D: tl.constexpr, BM: tl.const
     bh = tl.program_id(1)
     base = (bh // heads).to(tl.int64) * seqlen * heads * D + (bh % heads) * D
     stride = heads * D
-    qd = tl.make_tensor_descriptor(Q + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BM, D])
-    kd = tl.make_tensor_descriptor(K + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BN, D])
-    vd = tl.make_tensor_descriptor(V + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BN, D])
-    od = tl.make_tensor_descriptor(O + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BM, D])
+    qd, kd = head_rows(Q, base, seqlen, stride, BM, D), head_rows(K, base, seqlen, stride, BN, D)
+    vd, od = head_rows(V, base, seqlen, stride, BN, D), head_rows(O, base, seqlen, stride, BM, D)
     q = qd.load([pid_m * BM, 0])
     c = sm_scale * 1.4426950408889634
     m_i = tl.full([BM], float("-inf"), tl.float32)
