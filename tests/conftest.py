@@ -69,3 +69,21 @@ def torch_gen(seed):
 def assert_rel():
     """Fixture form of `assert_close_rel` (for tests in folders that cannot import conftest)."""
     return assert_close_rel
+
+
+@pytest.fixture
+def forward_plan_flags(monkeypatch):
+    """forward_plan_flags(name) -> a list that collects the constexpr `name` (e.g. "TMA") of every
+    forward launch planned from then on, so a test can check which variant actually ran."""
+    def spy_on(name: str) -> list:
+        from dualattn.kernels.flash import plan as flash_plan
+        flags, real = [], flash_plan.plan_forward
+
+        def spy(*args, **kwargs):
+            launch = real(*args, **kwargs)
+            flags.append(launch.constexpr_dict[name])
+            return launch
+
+        monkeypatch.setattr(flash_plan, "plan_forward", spy)
+        return flags
+    return spy_on

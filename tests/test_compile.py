@@ -64,6 +64,7 @@ class Variant:
     sparse: Optional[Tuple[int, int]] = None  # block-sparse layout (block_q, block_k), one per head
     tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
     lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
+    ws: bool = False                    # allow the warp-specialised forward, as torch does on sm_90
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -111,7 +112,8 @@ class Variant:
             nq, nk = -(-self.sq // bq), -(-self.sk // bk)
             extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
-        fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma, **extra)
+        fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma,
+                                      warp_specialize=self.ws, **extra)
         bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
                                        lse_grad=self.lse_grad, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
@@ -184,7 +186,11 @@ def _check_binary(compiled, launch, arch, what):
     assert f".target sm_{arch}" in ptx, f"{what}: PTX not targeting sm_{arch}"
     cubin = compiled.asm["cubin"]
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF", f"{what}: no cubin"
-    assert compiled.metadata.num_warps == launch.num_warps
+    if launch.constexpr_dict.get("WARP_SPECIALIZE"):
+        # Warp specialisation adds the producer (and, Triton 3.7, more) warps to the block.
+        assert compiled.metadata.num_warps > launch.num_warps
+    else:
+        assert compiled.metadata.num_warps == launch.num_warps
     shared = compiled.metadata.shared
     assert shared <= MAX_SHARED[arch], (f"{what}: {launch.kernel} needs {shared} bytes of shared memory, "
                                         f"sm_{arch} allows {MAX_SHARED[arch]} (launch would raise OutOfResources)")
@@ -239,6 +245,39 @@ def test_compile_tma(variant, kernel):
     launch, ptx = _run_case(variant, kernel, 90)
     assert launch.constexpr_dict["TMA"], f"{variant.name}: the plan refused TMA"
     assert "cp.async.bulk.tensor" in ptx, f"{variant.name}: {launch.kernel} issues no TMA copy"
+
+
+# The warp-specialised forward (torch on sm_90): one TMA loop that Triton splits into a producer
+# warp and a consumer warpgroup with their own register budgets (setmaxnreg).
+WS_FAST = (
+    Variant("ws-bf16-d128", sq=256, sk=2048, ws=True),
+    Variant("ws-fp16-d64-gqa-cross-sinks", dtype="float16", d=64, hq=4, hkv=2, sq=200, sk=4096, sinks=("head", 1),
+            ws=True),
+    Variant("ws-bf16-d96-dv64", d=96, dv=64, sq=128, sk=4096, ws=True),
+)
+
+
+@pytest.mark.parametrize("variant", WS_FAST, ids=lambda v: v.name)
+def test_compile_warp_specialized_forward(variant):
+    launch, ptx = _run_case(variant, "fwd", 90)
+    assert launch.constexpr_dict["WARP_SPECIALIZE"] and launch.constexpr_dict["TMA"], variant.name
+    assert (launch.num_warps, launch.num_stages) == (4, 2)
+    assert "setmaxnreg" in ptx, f"{variant.name}: the forward loop was not warp-specialised"
+    assert "cp.async.bulk.tensor" in ptx
+
+
+def test_plan_keeps_the_portable_forward_where_one_loop_cannot_do():
+    """Masks, ragged or packed keys, per-element options and 32-bit inputs keep the three-segment kernel."""
+    long = dict(sq=256, sk=4096, ws=True)   # enough keys for the variant, unless something else rules it out
+    assert Variant("eligible", **long).launch("fwd", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
+    for v in (Variant("ragged-keys", sq=256, sk=4000, ws=True), Variant("varlen", varlen=True, sq=4096, ws=True),
+              Variant("causal", causal=True, **long), Variant("window", window=(64, None), **long),
+              Variant("lse-rows-off-16-bytes", sq=254, sk=4096, ws=True),
+              Variant("few-keys-per-program", d=64, sq=256, sk=2048, ws=True),
+              Variant("bias", bias="bcast", **long), Variant("dropout", dropout=0.1, **long),
+              Variant("fp32", dtype="float32", d=64, **long),
+              Variant("short-q", sq=64, sk=4096, ws=True), Variant("not-asked", sq=256, sk=4096)):
+        assert not v.launch("fwd", 90)[0].constexpr_dict["WARP_SPECIALIZE"], v.name
 
 
 def test_plan_refuses_tma_where_illegal():

@@ -145,18 +145,32 @@ def _config(shapes, options, device):
                                   autotune_fn=flash_autotune_fn(shapes, options, device))
 
 
-def _tma(a: dict) -> bool:
-    """Whether to ask the plan for TMA tile loads (rules.row_tiles; the plan still checks strides
-    and tile widths).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they measured no
-    faster than the pointer loads (benchmarks/NOTES.md step 13), and the JAX launcher cannot use
-    them, so by default both frameworks run the identical variant.  Needs Hopper or later (or the
-    CPU interpreter, which emulates descriptors) and 16-byte-aligned bases (a view may not be)."""
-    if os.environ.get("DUALATTN_TMA", "0") != "1":
-        return False
+def _descriptors(a: dict) -> bool:
+    """Whether TMA descriptors can address these tensors: Hopper or later (or the CPU interpreter,
+    which emulates them) and 16-byte-aligned bases (a view may not be)."""
     query = a["query"]
     if query.device.type == "cuda" and _gpu(query.device.index)[1] < 90:
         return False
     return all(a[n].data_ptr() % 16 == 0 for n in ("query", "key", "value", "out", "dout") if a.get(n) is not None)
+
+
+def _tma(a: dict) -> bool:
+    """Whether to ask the plan for TMA tile loads in every kernel (rules.row_tiles; the plan still
+    checks strides and tile widths).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they
+    measured no faster than the pointer loads (benchmarks/NOTES.md step 13)."""
+    return os.environ.get("DUALATTN_TMA", "0") == "1" and _descriptors(a)
+
+
+def _warp_specialize(a: dict) -> bool:
+    """Whether the forward may run warp-specialised (plan.warp_specialized_forward decides if the
+    problem qualifies).  Default: on sm_90 GPUs, where it was tuned (benchmarks/NOTES.md step 18).
+    DUALATTN_WS=0 turns it off -- then torch runs the variant the JAX launcher runs, which cannot
+    build descriptors, bit for bit; DUALATTN_WS=1 allows it wherever descriptors work (the CPU
+    interpreter included, for tests)."""
+    flag = os.environ.get("DUALATTN_WS")
+    if flag == "0" or (flag != "1" and not (a["query"].is_cuda and _gpu(a["query"].device.index)[1] == 90)):
+        return False
+    return _descriptors(a)
 
 
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
@@ -184,7 +198,8 @@ def _forward(named: dict):
     query = named["query"]
     out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
     launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
-                                     diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a))
+                                     diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
+                                     warp_specialize=_warp_specialize(a))
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"], r
 

@@ -103,10 +103,12 @@ def test_gpu_varlen_bf16():
             assert_close_rel(a[s:e], b[0], 1e-2, f"{name} seq {i}")
 
 
-def test_gpu_cached_launch_keeps_variants_apart():
+def test_gpu_cached_launch_keeps_variants_apart(monkeypatch):
     # After its first launch a plan's compiled kernel is called directly (torch_api/_launch.py),
     # keyed on what Triton specialises on: a base pointer off 16-byte alignment must get its own
     # variant (the aligned one would fault or read wrong rows), and repeated calls the same bits.
+    # (Without warp specialisation, which a misaligned base cannot take: the same tiles both ways.)
+    monkeypatch.setenv("DUALATTN_WS", "0")
     from dualattn.torch_api import _launch
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 512, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))

@@ -41,6 +41,7 @@ def _tma_flags(monkeypatch, fn, inputs, dout):
 
     monkeypatch.setattr(flash_plan, "plan_forward", fwd)
     monkeypatch.setattr(flash_plan, "plan_backward", bwd)
+    monkeypatch.setenv("DUALATTN_WS", "0")   # the same forward tiles in both runs (test_warp_specialize.py)
     monkeypatch.setenv("DUALATTN_TMA", "1")
     with_tma = _grads(fn, inputs, dout)
     monkeypatch.setenv("DUALATTN_TMA", "0")
@@ -89,22 +90,8 @@ def test_tma_matches_pointer_loads_varlen_interpreted(monkeypatch):
     _assert_same_bits(*_tma_flags(monkeypatch, fn, (q, k, v), dout))
 
 
-def _forward_tma_flags(monkeypatch) -> list:
-    """The TMA flag of every forward plan made from now on."""
-    flags = []
-    real = flash_plan.plan_forward
-
-    def spy(*a, **k):
-        launch = real(*a, **k)
-        flags.append(launch.constexpr_dict["TMA"])
-        return launch
-
-    monkeypatch.setattr(flash_plan, "plan_forward", spy)
-    return flags
-
-
-def test_tma_is_opt_in(monkeypatch):
-    flags = _forward_tma_flags(monkeypatch)
+def test_tma_is_opt_in(monkeypatch, forward_plan_flags):
+    flags = forward_plan_flags("TMA")
     monkeypatch.delenv("DUALATTN_TMA", raising=False)
     q = torch.randn(1, 32, 2, 16)
     flash_attention(q, q, q)
@@ -113,10 +100,10 @@ def test_tma_is_opt_in(monkeypatch):
     assert flags == [False, True]
 
 
-def test_misaligned_base_takes_pointer_loads(monkeypatch):
+def test_misaligned_base_takes_pointer_loads(monkeypatch, forward_plan_flags):
     # A view starting 2 elements in is not 16-byte aligned: TMA would fault, so the plan must not use it.
     monkeypatch.setenv("DUALATTN_TMA", "1")
-    flags = _forward_tma_flags(monkeypatch)
+    flags = forward_plan_flags("TMA")
     buf = torch.randn(2 * 32 * 2 * 16 + 2)
     q = buf[2:].view(2, 32, 2, 16)
     flash_attention(q, q, q)

@@ -5,6 +5,8 @@ head and streams the key tiles that band_range says it can see: masked edge tile
 unmasked interior tiles go through the same inner loop, specialised by POSITIONAL.
 Layouts: element strides for (batch, seq, head); the head dimension is contiguous.
 Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
+WARP_SPECIALIZE (Hopper, torch; plan.warp_specialized_forward): unmasked problems run one TMA
+loop that Triton splits into a producer warp and consumer warpgroups, with TMA loads and stores.
 """
 import triton
 import triton.language as tl
@@ -25,13 +27,14 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr):
+               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr):
     # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
     # BLOCK_LIST, the active key blocks of this query block.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
-    for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
+    for it in tl.range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tile_start(it, BLOCK_LIST, first_block, BLOCK_N, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
@@ -94,7 +97,7 @@ def flash_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -107,8 +110,11 @@ def flash_fwd_kernel(
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
                                                            IS_VARLEN)
     m0 = pid_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return
+    # (The warp-specialised variant has no early exit: Triton 3.6's pass fails on one, and its
+    # grid, never packed, has no tile past the end.)
+    if not WARP_SPECIALIZE:
+        if m0 >= seqlen_q:
+            return
     diag = seqlen_k - seqlen_q + diag_shift
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -118,8 +124,10 @@ def flash_fwd_kernel(
     Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
     K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
     V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
-    q = load_tile(Q_HEAD + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
-                  offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    # The warp-specialised loop wants every tile from a descriptor, q included (a pointer load
+    # before it fails the pass as well).
+    q = load_rows(row_tiles(Q_HEAD, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE), m0, offs_m,
+                  stride_qs, seqlen_q, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM, WARP_SPECIALIZE)
     K_TILES = row_tiles(K_HEAD, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     V_TILES = row_tiles(V_HEAD, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
 
@@ -150,23 +158,35 @@ def flash_fwd_kernel(
         m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
         window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     for segment in tl.static_range(3):
-        lo, hi = loop_segment(segment, start, full_start, full_end, end)
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
-            K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
-            stride_ks, stride_vs, bias_stride_s, mask_stride_s,
-            seqlen_q, seqlen_k, diag, window_left, window_right,
-            sm_scale, softcap, dropout_threshold, dropout_scale,
-            segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-            BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA)
+        # Warp-specialised (Hopper, TMA; plan.warp_specialized_forward): Triton 3.6 specialises
+        # a kernel's only loop, so segment 1 runs the whole band and the edges compile away.
+        if segment == 1 or not WARP_SPECIALIZE:
+            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+                K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
+                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+                seqlen_q, seqlen_k, diag, window_left, window_right,
+                sm_scale, softcap, dropout_threshold, dropout_scale,
+                segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-    tl.store(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
+    # After a warp-specialised loop only TMA stores write every row (pointer stores left rows
+    # 64-127 of each tile unwritten on the H100 with Triton 3.6: benchmarks/NOTES.md step 18).
+    if WARP_SPECIALIZE:
+        row_tiles(O_HEAD, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True).store(
+            [m0, 0], out.to(O.dtype.element_ty))
+    else:
+        tl.store(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
     LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
-    tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < seqlen_q)
+    if WARP_SPECIALIZE:
+        tl.make_tensor_descriptor(LSE_HEAD, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M]).store([m0], lse)
+    else:
+        tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < seqlen_q)

@@ -256,19 +256,51 @@ def _memoised(plan_fn):
     return plan
 
 
+# The warp-specialised forward's tile.  Triton 3.6's Hopper pass specialises only 4-warp loops
+# (8 warps compile unspecialised), and of the probed 4-warp tiles 128x128 with 2 stages was the
+# fastest and the only one free of miscompiles (128x64 with 3 stages returned NaN):
+# benchmarks/NOTES.md steps 14 and 18.
+WS_TILE = TileConfig(128, 128, 4, 2)
+WS_MIN_KEY_WORK = 1 << 18   # seqlen_k * head dim
+
+
+def warp_specialized_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo],
+                             constexprs) -> bool:
+    """Whether the forward can run as one warp-specialised TMA loop (`warp_specialize` launches).
+
+    One loop with no branch in its body: every key tile full and unmasked -- no window or causal
+    mask, no ragged or packed keys, no bias, mask, segments, soft cap, dropout or block-sparse
+    lists (the masks could be applied branch-free to every tile, but causal forwards measured
+    equal at D=128 and 23% slower at D=64, NOTES step 18); 16-bit inputs; TMA-legal strides and
+    widths; at least one full query tile, and 16-byte-aligned lse rows (its stores are TMA too);
+    and enough work per program to repay building five descriptors, Sk * D >= WS_MIN_KEY_WORK (in
+    the session-6 sweep, against the same kernel without it: D=64 lost 18% at S=1024 and 5% at
+    S=2048, won 4-7% from S=4096; D=128 won 6% at S=2048 and 4% at S=1024, left out as noise)."""
+    const = dict(constexprs)
+    return (sparse is None and not shapes.varlen and shapes.seqlen_k % WS_TILE.block_n == 0
+            and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK
+            and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
+            and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs)
+            and not any(const[f] for f in ("HAS_LEFT", "HAS_RIGHT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS",
+                                           "HAS_SOFTCAP", "HAS_DROPOUT", "HAS_POSITIONS")))
+
+
 @_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                 tma: bool = False) -> Launch:
+                 tma: bool = False, warp_specialize: bool = False) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
     With `sparse`, the kernels walk the layout's block lists (inputs SPARSE_INPUTS) and the
-    tiles are the layout's blocks.
+    tiles are the layout's blocks.  `warp_specialize`: the launcher can build TMA descriptors on
+    an sm_90 GPU and allows the warp-specialised variant, which eligible problems then take with
+    WS_TILE in place of config.fwd.
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
-    t = config.fwd
+    ws = warp_specialize and warp_specialized_forward(shapes, options, sparse, constexprs)
+    t = WS_TILE if ws else config.fwd
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     return Launch(
@@ -279,7 +311,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
         # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
         # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n),
-                                 ("TMA", _use_tma(tma, shapes, constexprs) and t.num_stages != 2)),
+                                 ("TMA", ws or (_use_tma(tma, shapes, constexprs) and t.num_stages != 2)),
+                                 ("WARP_SPECIALIZE", ws)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
 
