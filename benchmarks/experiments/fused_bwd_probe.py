@@ -18,7 +18,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dualattn.torch_api as dt
-from ws_probe import head_rows  # run as a script: this folder is on sys.path
+from ws_probe import head_offsets, head_rows  # run as a script: this folder is on sys.path
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -33,8 +33,7 @@ def probe_bwd(Q, K, V, DO, LSE, DELTA, DQ_ACC, DK, DV, seqlen, heads, sm_scale,
     # BSHD, contiguous: rows of one head are heads * D apart; LSE/DELTA are (B, H, S).
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
-    base = (bh // heads).to(tl.int64) * seqlen * heads * D + (bh % heads) * D
-    stride = heads * D
+    base, stride = head_offsets(bh, heads, seqlen, D)
     kd, vd = head_rows(K, base, seqlen, stride, BN, D), head_rows(V, base, seqlen, stride, BN, D)
     qd, dod = head_rows(Q, base, seqlen, stride, BM, D), head_rows(DO, base, seqlen, stride, BM, D)
     dqd = head_rows(DQ_ACC, base, seqlen, stride, BM, D)

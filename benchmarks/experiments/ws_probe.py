@@ -22,6 +22,13 @@ def _scratch(size, alignment, stream):
 
 
 @triton.jit
+def head_offsets(bh, heads, seqlen, D: tl.constexpr):
+    """(element offset of head bh's first row, row stride) in a contiguous BSHD array (also used by
+    fused_bwd_probe.py)."""
+    return (bh // heads).to(tl.int64) * seqlen * heads * D + (bh % heads) * D, heads * D
+
+
+@triton.jit
 def head_rows(X, base, seqlen, stride, BLOCK: tl.constexpr, D: tl.constexpr):
     """TMA descriptor over one head's [seqlen, D] rows (also used by fused_bwd_probe.py)."""
     return tl.make_tensor_descriptor(X + base, shape=[seqlen, D], strides=[stride, 1], block_shape=[BLOCK, D])
@@ -33,8 +40,7 @@ def probe_fwd(Q, K, V, O, seqlen, heads, sm_scale, D: tl.constexpr, BM: tl.const
     # BSHD, contiguous: rows of one head are heads * D apart.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    base = (bh // heads).to(tl.int64) * seqlen * heads * D + (bh % heads) * D
-    stride = heads * D
+    base, stride = head_offsets(bh, heads, seqlen, D)
     qd, kd = head_rows(Q, base, seqlen, stride, BM, D), head_rows(K, base, seqlen, stride, BN, D)
     vd, od = head_rows(V, base, seqlen, stride, BN, D), head_rows(O, base, seqlen, stride, BM, D)
     q = qd.load([pid_m * BM, 0])

@@ -264,8 +264,7 @@ WS_TILE = TileConfig(128, 128, 4, 2)
 WS_MIN_KEY_WORK = 1 << 18   # seqlen_k * head dim
 
 
-def warp_specialized_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo],
-                             constexprs) -> bool:
+def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
     """Whether the forward can run as one warp-specialised TMA loop (`warp_specialize` launches).
 
     One loop with no branch in its body: every key tile full and unmasked -- no window or causal
@@ -299,7 +298,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
-    ws = warp_specialize and warp_specialized_forward(shapes, options, sparse, constexprs)
+    ws = warp_specialize and warp_specialized_forward(shapes, sparse, constexprs)
     t = WS_TILE if ws else config.fwd
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
