@@ -64,7 +64,7 @@ class Variant:
     sparse: Optional[Tuple[int, int]] = None  # block-sparse layout (block_q, block_k), one per head
     tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
     lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
-    ws: bool = False                    # allow the warp-specialised forward, as torch does on sm_90
+    ws: bool = False                    # allow the warp-specialised kernels, as torch does on sm_90
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -115,7 +115,7 @@ class Variant:
         fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma,
                                       warp_specialize=self.ws, **extra)
         bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
-                                       lse_grad=self.lse_grad, **extra)
+                                       lse_grad=self.lse_grad, warp_specialize=self.ws, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
         if self.lse_grad:
             dtypes["dlse"] = "float32"
@@ -266,12 +266,80 @@ def test_compile_warp_specialized_forward(variant):
     assert "cp.async.bulk.tensor" in ptx
 
 
+# The warp-specialised backward (torch on sm_90): dK/dV and dQ loops split like the forward's.
+WS_BWD = (
+    Variant("ws-bwd-bf16-d128", sq=2048, sk=2048, ws=True),
+    Variant("ws-bwd-fp16-d80-sinks-dlse", dtype="float16", d=80, sq=4096, sk=4096, sinks=("head", 1), lse_grad=True,
+            ws=True),
+    Variant("ws-bwd-bf16-d96-dv64", d=96, dv=64, sq=4096, sk=4096, ws=True),
+)
+
+
+@pytest.mark.parametrize("variant, kernel", [pytest.param(v, k, id=f"{k}-{v.name}") for v in WS_BWD
+                                             for k in ("dkdv", "dq")])
+def test_compile_warp_specialized_backward(variant, kernel):
+    launch, dtypes = variant.launch(kernel, 90)
+    const = launch.constexpr_dict
+    assert const["WARP_SPECIALIZE"] and const["TMA"], variant.name
+    ptx = _run_case(variant, kernel, 90)[1]
+    assert "setmaxnreg" in ptx, f"{variant.name}: the {kernel} loop was not warp-specialised"
+    assert "cp.async.bulk.tensor" in ptx
+
+
+def test_plan_keeps_the_portable_backward_where_one_loop_cannot_do():
+    long = dict(sq=4096, sk=4096, ws=True)
+    assert Variant("eligible", **long).launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
+    for v in (Variant("causal", causal=True, **long), Variant("ragged-q", sq=4000, sk=4096, ws=True),
+              Variant("ragged-k", sq=4096, sk=4000, ws=True), Variant("few-queries", sq=1024, sk=4096, ws=True),
+              Variant("gqa", hq=4, hkv=2, **long), Variant("dropout", dropout=0.1, **long),
+              Variant("d64", d=64, **long), Variant("not-asked", sq=4096, sk=4096)):
+        assert not v.launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"], v.name
+    # GQA: dQ has no group loop, so it still qualifies.
+    assert Variant("gqa", hq=4, hkv=2, **long).launch("dq", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
+
+
+# Split bands: the warp-specialised launch over the unmasked interior, then a portable launch over
+# the masked edges (plan.split_band).
+WS_SPLIT = (
+    Variant("ws-split-bf16-d128-causal", sq=2048, sk=8192, causal=True, ws=True),
+    Variant("ws-split-fp16-d128-gqa-window-sinks", dtype="float16", hq=4, hkv=2, sq=1024, sk=16384,
+            window=(9000, 0), sinks=("head", 1), ws=True),
+    Variant("ws-split-bf16-d96-ragged-keys", d=96, sq=256, sk=8200, ws=True),
+)
+
+
+@pytest.mark.parametrize("variant", WS_SPLIT, ids=lambda v: v.name)
+def test_compile_split_band_forward(variant):
+    launch, dtypes = variant.launch("fwd", 90)
+    interior, edges = launch.chain
+    cut = interior.constexpr_dict["SPLIT_BAND"]
+    assert cut == interior.constexpr_dict["BLOCK_M"] == interior.constexpr_dict["BLOCK_N"], variant.name
+    assert edges.constexpr_dict["SPLIT_BAND"] == cut, "both launches must cut the band by the same tiles"
+    assert not edges.constexpr_dict["WARP_SPECIALIZE"]
+    assert cut % edges.constexpr_dict["BLOCK_M"] == 0 and cut % edges.constexpr_dict["BLOCK_N"] == 0
+    ptx = _run_case(variant, "fwd", 90)[1]
+    assert "setmaxnreg" in ptx, f"{variant.name}: the interior loop was not warp-specialised"
+    compiled = _compile(edges, dtypes, 90, "torch", variant.name + " (edges)")
+    assert "mma" in _check_binary(compiled, edges, 90, variant.name + " (edges)")
+
+
 def test_plan_keeps_the_portable_forward_where_one_loop_cannot_do():
-    """Masks, ragged or packed keys, per-element options and 32-bit inputs keep the three-segment kernel."""
+    """Packed keys, per-element options and 32-bit inputs keep the three-segment kernel (masks and
+    ragged keys split the band instead)."""
     long = dict(sq=256, sk=4096, ws=True)   # enough keys for the variant, unless something else rules it out
     assert Variant("eligible", **long).launch("fwd", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
-    for v in (Variant("ragged-keys", sq=256, sk=4000, ws=True), Variant("varlen", varlen=True, sq=4096, ws=True),
-              Variant("causal", causal=True, **long), Variant("window", window=(64, None), **long),
+    assert Variant("eligible", **long).launch("fwd", 90)[0].then is None
+    # Masked edges go to a second launch where that pays (plan.split_band_pays): D=128, >= 8192 keys.
+    for v in (Variant("ragged-keys", sq=256, sk=8200, ws=True), Variant("causal", causal=True, sq=256, sk=8192,
+                                                                        ws=True),
+              Variant("window", window=(6000, 3000), sq=256, sk=8192, ws=True)):
+        assert v.launch("fwd", 90)[0].then is not None, v.name
+    for v in (Variant("causal-short", causal=True, **long), Variant("window-narrow", window=(4000, 0), sq=256,
+                                                                    sk=16384, ws=True),
+              Variant("causal-d64", causal=True, d=64, sq=256, sk=16384, ws=True)):
+        launch = v.launch("fwd", 90)[0]
+        assert launch.then is None and not launch.constexpr_dict["WARP_SPECIALIZE"], v.name
+    for v in (Variant("varlen", varlen=True, sq=4096, ws=True),
               Variant("lse-rows-off-16-bytes", sq=254, sk=4096, ws=True),
               Variant("few-keys-per-program", d=64, sq=256, sk=2048, ws=True),
               Variant("bias", bias="bcast", **long), Variant("dropout", dropout=0.1, **long),

@@ -30,6 +30,12 @@ class Launch:
     constexprs: Tuple[Tuple[str, object], ...]
     num_warps: int
     num_stages: int
+    then: Optional["Launch"] = None          # a launch that runs next, updating these outputs in place
+
+    @property
+    def chain(self) -> Tuple["Launch", ...]:
+        """This launch and the ones it hands its outputs to, in order."""
+        return (self,) + (self.then.chain if self.then is not None else ())
 
     @property
     def constexpr_dict(self) -> dict:

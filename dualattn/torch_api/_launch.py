@@ -112,13 +112,15 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
         with _INTERPRETER_LOCK:
             kernel[launch.grid](*args, **launch.constexpr_dict, num_warps=launch.num_warps,
                                 num_stages=launch.num_stages)
-        return outputs
-    if launch.constexpr_dict.get("TMA"):
-        _ensure_scratch_allocator()
-    if device.index == torch.cuda.current_device():
-        _launch_cached(kernel, launch, args, device)
     else:
-        with torch.cuda.device(device):
+        if launch.constexpr_dict.get("TMA"):
+            _ensure_scratch_allocator()
+        if device.index == torch.cuda.current_device():
             _launch_cached(kernel, launch, args, device)
+        else:
+            with torch.cuda.device(device):
+                _launch_cached(kernel, launch, args, device)
+    if launch.then is not None:
+        return run(launch.then, arrays, outputs, device)
     return outputs
 

@@ -162,9 +162,9 @@ def _tma(a: dict) -> bool:
 
 
 def _warp_specialize(a: dict) -> bool:
-    """Whether the forward may run warp-specialised (plan.warp_specialized_forward decides if the
-    problem qualifies).  Default: on sm_90 GPUs, where it was tuned (benchmarks/NOTES.md step 18).
-    DUALATTN_WS=0 turns it off -- then torch runs the variant the JAX launcher runs, which cannot
+    """Whether the forward and backward may run warp-specialised (plan.warp_specialized_forward and
+    plan.warp_specialized_backward decide if the problem qualifies).  Default: on sm_90 GPUs, where
+    they were tuned (benchmarks/NOTES.md steps 18-20).  DUALATTN_WS=0 turns them off -- then torch runs the variant the JAX launcher runs, which cannot
     build descriptors, bit for bit; DUALATTN_WS=1 allows it wherever descriptors work (the CPU
     interpreter included, for tests)."""
     flag = os.environ.get("DUALATTN_WS")
@@ -245,7 +245,7 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
              lse=lse.contiguous(), dlse=None if dlse is None else dlse.float().contiguous())
     plan = flash_plan.plan_backward(shapes, r.options, _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
                                     config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                    lse_grad=dlse is not None)
+                                    lse_grad=dlse is not None, warp_specialize=_warp_specialize(a))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)

@@ -1,7 +1,8 @@
 """The warp-specialised forward (plan.warp_specialized_forward): torch's default on sm_90.
 
-One TMA loop over every key tile (unmasked problems only), TMA stores, WS_TILE in place of
-the configured forward tile.  Checked against the float64 reference (forward, lse,
+One TMA loop over every unmasked key tile, TMA stores, WS_TILE in place of the configured
+forward tile; causal and window bands and a partial last key tile add a second, portable launch
+over the masked edges that resumes from the first's O and lse (plan.split_band).  Checked against the float64 reference (forward, lse,
 and gradients, which the portable backward computes from this forward's lse), on the CPU
 interpreter (DUALATTN_WS=1; fp16, as the interpreter mis-reads bf16 descriptor loads) and on
 the GPU.  Each test also checks the plan took the variant, so none can pass by never running it.
@@ -12,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.torch_api import flash_attention  # noqa: E402
 from reference import assert_close_rel, reference_attention  # noqa: E402
 
@@ -45,6 +47,26 @@ CPU_CASES = {
     "gqa-sinks-ragged-q": dict(b=1, sq=200, sk=2048, hq=4, hkv=2, d=128, opts={}, sinks=True),
     "cross-more-queries": dict(b=1, sq=260, sk=2048, hq=1, hkv=1, d=128, opts=dict(softmax_scale=0.3)),
 }
+@pytest.fixture
+def split_every_band(monkeypatch):
+    """Split every band the variant can take, whatever plan.split_band_pays says: these tests are
+    about the two launches' numbers, on shapes small enough for the interpreter."""
+    monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_KEYS", 0)
+    monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_HEAD_DIM", 0)
+    flash_plan.forget_plans()   # memoised under the other rule
+    yield
+    flash_plan.forget_plans()
+
+
+# Split bands: the interior warp-specialised, the masked edges in a second launch.
+SPLIT_CASES = {
+    "causal": dict(b=1, sq=1024, sk=2048, hq=2, hkv=2, d=128, opts=dict(causal=True)),
+    "causal-gqa-sinks": dict(b=1, sq=384, sk=2048, hq=4, hkv=2, d=128, opts=dict(causal=True), sinks=True),
+    # Bottom-right causal with more queries than keys: the first 300 rows see nothing.
+    "causal-empty-rows": dict(b=1, sq=2348, sk=2048, hq=1, hkv=1, d=128, opts=dict(causal=True)),
+    "window": dict(b=2, sq=2048, sk=2048, hq=1, hkv=1, d=128, opts=dict(sliding_window=(300, 200))),
+    "ragged-keys": dict(b=1, sq=256, sk=2100, hq=1, hkv=1, d=128, opts={}),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
@@ -55,6 +77,60 @@ def test_warp_specialized_forward_interpreted(case, monkeypatch, forward_plan_fl
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
     assert flags and all(flags), flags
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_split_band_forward_interpreted(case, monkeypatch, forward_plan_flags, split_every_band, seed):
+    c = dict(SPLIT_CASES[case])
+    monkeypatch.setenv("DUALATTN_WS", "1")
+    ws, split = forward_plan_flags("WARP_SPECIALIZE"), forward_plan_flags("SPLIT_BAND")
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
+    assert ws and all(ws) and all(split), (ws, split)
+
+
+@pytest.fixture
+def backward_plan_flags(monkeypatch):
+    """The (dK/dV, dQ) WARP_SPECIALIZE flags of every backward planned from then on."""
+    flags, real = [], flash_plan.plan_backward
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        flags.append((plan.dkdv.constexpr_dict["WARP_SPECIALIZE"], plan.dq.constexpr_dict["WARP_SPECIALIZE"]))
+        return plan
+
+    monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    return flags
+
+
+@pytest.fixture
+def specialise_small_problems(monkeypatch):
+    """Let the interpreter's small problems take the warp-specialised kernels (plan.WS_MIN_KEY_WORK
+    is a speed rule, not a correctness one)."""
+    monkeypatch.setattr(flash_plan, "WS_MIN_KEY_WORK", 0)
+    flash_plan.forget_plans()   # memoised under the other rule
+    yield
+    flash_plan.forget_plans()
+
+
+# The warp-specialised backward: (case, (dK/dV, dQ) warp-specialised).
+BWD_CASES = {
+    "d128": (dict(b=2, sq=256, sk=512, hq=2, hkv=2, d=128, opts={}), (True, True)),
+    "d80-sinks": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=80, opts=dict(softmax_scale=0.2), sinks=True),
+                  (True, True)),
+    "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
+    "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
+}
+
+
+@pytest.mark.parametrize("case", sorted(BWD_CASES))
+def test_warp_specialized_backward_interpreted(case, monkeypatch, backward_plan_flags, specialise_small_problems,
+                                               seed):
+    c, want = dict(BWD_CASES[case][0]), BWD_CASES[case][1]
+    monkeypatch.setenv("DUALATTN_WS", "1")
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
+    assert backward_plan_flags == [want], backward_plan_flags
 
 
 def test_warp_specialize_off_by_default_on_cpu_and_with_ws_0(monkeypatch, forward_plan_flags):
@@ -83,6 +159,13 @@ GPU_CASES = {
     "d64-gqa-cross": dict(b=1, sq=1000, sk=4096, hq=8, hkv=2, d=64, opts={}),
     "d96-sinks-ragged-q": dict(b=1, sq=2004, sk=4096, hq=4, hkv=4, d=96, opts={}, sinks=True),
 }
+GPU_SPLIT_CASES = {
+    "causal-d128": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts=dict(causal=True)),
+    "causal-d64-gqa-cross": dict(b=1, sq=1000, sk=4096, hq=8, hkv=2, d=64, opts=dict(causal=True)),
+    "window-d128-sinks": dict(b=1, sq=2048, sk=4096, hq=4, hkv=4, d=128, opts=dict(sliding_window=(700, 0)),
+                              sinks=True),
+    "ragged-keys-d96": dict(b=1, sq=1000, sk=4000, hq=4, hkv=4, d=96, opts={}),
+}
 
 
 @pytest.mark.gpu
@@ -96,3 +179,35 @@ def test_gpu_warp_specialized_forward(case, monkeypatch, forward_plan_flags, see
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
     assert flags and all(flags), flags
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_SPLIT_CASES))
+def test_gpu_split_band_forward(case, monkeypatch, forward_plan_flags, split_every_band, seed):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised forward is chosen on sm_90 only (where it was tuned)")
+    c = dict(GPU_SPLIT_CASES[case])
+    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    ws, split = forward_plan_flags("WARP_SPECIALIZE"), forward_plan_flags("SPLIT_BAND")
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
+    assert ws and all(ws) and all(split), (ws, split)
+
+
+GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
+    "d80": (dict(b=1, sq=4096, sk=4096, hq=8, hkv=8, d=80, opts={}), (True, True)),
+    "d128-gqa-cross-sinks": (dict(b=1, sq=2048, sk=4096, hq=8, hkv=2, d=128, opts={}, sinks=True), (False, True)),
+    "d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(softmax_scale=0.05)), (True, True)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_BWD_CASES))
+def test_gpu_warp_specialized_backward(case, monkeypatch, backward_plan_flags, seed):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised kernels are chosen on sm_90 only (where they were tuned)")
+    c, want = dict(GPU_BWD_CASES[case][0]), GPU_BWD_CASES[case][1]
+    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
+    assert backward_plan_flags == [want], backward_plan_flags

@@ -7,14 +7,16 @@ natural-unit pre-cap scores z = qk * scale + bias and S = cap * tanh(z / cap):
     dsink_n = -sum_i exp(sink_n - lse_i) delta_i
 dK/dV programs own one key tile of one KV head and loop over the query heads of its GQA
 group, so no atomics are needed.  Tile ranges come from rules.band_range, as in forward.
+WARP_SPECIALIZE (Hopper, torch; plan.warp_specialized_backward): unmasked problems run each
+kernel's loop warp-specialised, as the forward's, with every load and store through TMA.
 """
 import triton
 import triton.language as tl
 
 from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
-                    dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_tile, logits,
-                    loop_segment, program_tile, query_range, reduce_sum, row_tiles, rows_cols, sequence_bounds,
-                    tile_mask, tile_start)
+                    dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_stats,
+                    load_tile, logits, loop_segment, program_tile, query_range, reduce_sum, row_stats, row_tiles,
+                    rows_cols, sequence_bounds, tile_mask, tile_start)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
@@ -131,14 +133,15 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr):
+                SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+                WARP_SPECIALIZE: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
     # the dV and dK products consume, with no register transposes.  [lo, hi) are query
     # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
-    for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_M):
+    for it in tl.range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_M, warp_specialize=WARP_SPECIALIZE):
         start_m = tile_start(it, BLOCK_LIST, first_block, BLOCK_M, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(Q_TILES, start_m, offs_m, stride_qs, seqlen_q, offs_d, HEAD_DIM, POSITIONAL,
@@ -146,8 +149,8 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
         do = load_rows(DO_TILES, start_m, offs_m, stride_os, seqlen_q, offs_dv, HEAD_DIM_V, POSITIONAL,
                        BLOCK_DV != HEAD_DIM_V, TMA)  # [BLOCK_M, BLOCK_DV]
         in_rows = offs_m < seqlen_q
-        lse = tl.load(LSE_HEAD + offs_m, mask=in_rows, other=0.0)
-        delta = tl.load(DELTA_HEAD + offs_m, mask=in_rows, other=0.0)
+        lse = load_stats(LSE_HEAD, start_m, offs_m, seqlen_q, WARP_SPECIALIZE)
+        delta = load_stats(DELTA_HEAD, start_m, offs_m, seqlen_q, WARP_SPECIALIZE)
         q_seg = load_ids(QSEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS)
         q_pos = load_ids(QPOS_ROW, offs_m, seqlen_q, 0, HAS_POSITIONS)
         row_hash = dropout_row_hash(dropout_seed, batch_head, offs_m) if HAS_DROPOUT else 0
@@ -187,7 +190,7 @@ def flash_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # Key tiles busiest-first, as ordered for the group's first query head.  Dense: causal
     # key tiles see fewer queries the later they are; with only a left window bound the last
@@ -201,8 +204,9 @@ def flash_bwd_dkdv_kernel(
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
                                                            IS_VARLEN)
     n0 = pid_n * BLOCK_N
-    if n0 >= seqlen_k:
-        return
+    if not WARP_SPECIALIZE:  # (no early exit there: see forward.py)
+        if n0 >= seqlen_k:
+            return
     diag = seqlen_k - seqlen_q + diag_shift
     dropout_seed = 0
     if HAS_DROPOUT:
@@ -213,10 +217,12 @@ def flash_bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     k_row = b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
     v_row = b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
-    k = load_tile(K + k_row + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seqlen_k,
-                  offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-    v = load_tile(V + v_row + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seqlen_k,
-                  offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+    # (A warp-specialised loop wants every tile from a descriptor, these included.)
+    k = load_rows(row_tiles(K + k_row, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE), n0, offs_n,
+                  stride_ks, seqlen_k, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM, WARP_SPECIALIZE)  # [BLOCK_N, BLOCK_D]
+    v = load_rows(row_tiles(V + v_row, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, WARP_SPECIALIZE), n0,
+                  offs_n, stride_vs, seqlen_k, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V,
+                  WARP_SPECIALIZE)  # [BLOCK_N, BLOCK_DV]
     k_seg = load_ids(KSEG + b64 * seg_stride_kb, offs_n, seqlen_k, -1, HAS_SEGMENTS)
     k_pos = load_ids(KPOS + b64 * pos_stride_kb, offs_n, seqlen_k, 0, HAS_POSITIONS)
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
@@ -238,31 +244,40 @@ def flash_bwd_dkdv_kernel(
                             stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         DO_TILES = row_tiles(DO + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh, seqlen_q,
                              stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, TMA)
-        LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
-        DELTA_HEAD = DELTA + b64 * stride_lse_b + h * stride_lse_h + q_start  # same layout as LSE
+        LSE_HEAD = row_stats(LSE + b64 * stride_lse_b + h * stride_lse_h + q_start, seqlen_q, BLOCK_M, WARP_SPECIALIZE)
+        DELTA_HEAD = row_stats(DELTA + b64 * stride_lse_b + h * stride_lse_h + q_start, seqlen_q, BLOCK_M,
+                               WARP_SPECIALIZE)  # same layout as LSE
         BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
         MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
         DBIAS_ROW = DBIAS + b64 * dbias_stride_b + h * dbias_stride_h
         QSEG_ROW = QSEG + b64 * seg_stride_qb
         for segment in tl.static_range(3):
-            lo, hi = loop_segment(segment, start, full_start, full_end, end)
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
-                Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
-                DBIAS_ROW,
-                stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
-                seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
-                dropout_seed, dropout_threshold, dropout_scale,
-                segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA)
+            # Warp-specialised: one loop over the whole band (every tile full; plan's rule).
+            if segment == 1 or not WARP_SPECIALIZE:
+                lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
+                    Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
+                    DBIAS_ROW,
+                    stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
+                    seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                    dropout_seed, dropout_threshold, dropout_scale,
+                    segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                    BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
-    tl.store(DK + dk_row + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + dv_row + offs_n[:, None] * stride_dvs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
-             mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V))
+    if WARP_SPECIALIZE:  # (pointer stores after such a loop miss rows: forward.py)
+        row_tiles(DK + dk_row, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, True).store(
+            [n0, 0], dk.to(DK.dtype.element_ty))
+        row_tiles(DV + dv_row, seqlen_k, stride_dvs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, True).store(
+            [n0, 0], dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(DK + dk_row + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM))
+        tl.store(DV + dv_row + offs_n[:, None] * stride_dvs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+                 mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
@@ -276,11 +291,12 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLO
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr):
+              SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+              WARP_SPECIALIZE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
-    for it in range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N):
+    for it in tl.range(lo, hi, 1 if BLOCK_SPARSE else BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tile_start(it, BLOCK_LIST, first_block, BLOCK_N, BLOCK_SPARSE, SPARSE_CONTIGUOUS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(K_TILES, start_n, offs_n, stride_ks, seqlen_k, offs_d, HEAD_DIM, POSITIONAL,
@@ -320,7 +336,7 @@ def flash_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -333,8 +349,9 @@ def flash_bwd_dq_kernel(
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
                                                            IS_VARLEN)
     m0 = pid_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return
+    if not WARP_SPECIALIZE:  # (no early exit there: see forward.py)
+        if m0 >= seqlen_q:
+            return
     diag = seqlen_k - seqlen_q + diag_shift
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -342,13 +359,17 @@ def flash_bwd_dq_kernel(
     b64 = b.to(tl.int64)
     q_row = b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
     o_row = b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-    q = load_tile(Q + q_row + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seqlen_q,
-                  offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    do = load_tile(DO + o_row + offs_m[:, None] * stride_os + offs_dv[None, :], offs_m, seqlen_q,
-                   offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_M, BLOCK_DV]
+    # (A warp-specialised loop wants every tile from a descriptor, these included.)
+    q = load_rows(row_tiles(Q + q_row, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE), m0, offs_m,
+                  stride_qs, seqlen_q, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM, WARP_SPECIALIZE)  # [BLOCK_M, BLOCK_D]
+    do = load_rows(row_tiles(DO + o_row, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, WARP_SPECIALIZE), m0,
+                   offs_m, stride_os, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V,
+                   WARP_SPECIALIZE)  # [BLOCK_M, BLOCK_DV]
     lse_row = b64 * stride_lse_b + h * stride_lse_h + q_start
-    lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    delta = tl.load(DELTA + lse_row + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    lse = load_stats(row_stats(LSE + lse_row, seqlen_q, BLOCK_M, WARP_SPECIALIZE), m0, offs_m, seqlen_q,
+                     WARP_SPECIALIZE)
+    delta = load_stats(row_stats(DELTA + lse_row, seqlen_q, BLOCK_M, WARP_SPECIALIZE), m0, offs_m, seqlen_q,
+                       WARP_SPECIALIZE)
     q_seg = load_ids(QSEG + b64 * seg_stride_qb, offs_m, seqlen_q, -2, HAS_SEGMENTS)
     q_pos = load_ids(QPOS + b64 * pos_stride_qb, offs_m, seqlen_q, 0, HAS_POSITIONS)
     row_hash = 0
@@ -366,19 +387,24 @@ def flash_bwd_dq_kernel(
         m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
         window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     for segment in tl.static_range(3):
-        lo, hi = loop_segment(segment, start, full_start, full_end, end)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
-                       K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
-                       stride_ks, stride_vs, bias_stride_s, mask_stride_s,
-                       seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
-                       dropout_threshold, dropout_scale,
-                       segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                       BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA)
+        if segment == 1 or not WARP_SPECIALIZE:
+            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
+            dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+                           K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
+                           stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+                           seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                           dropout_threshold, dropout_scale,
+                           segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                           BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
-    tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+    if WARP_SPECIALIZE:
+        row_tiles(DQ + dq_row, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, True).store(
+            [m0, 0], dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + dq_row + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit(do_not_specialize=DROPOUT_MASK_INTS)

@@ -5,14 +5,18 @@ head and streams the key tiles that band_range says it can see: masked edge tile
 unmasked interior tiles go through the same inner loop, specialised by POSITIONAL.
 Layouts: element strides for (batch, seq, head); the head dimension is contiguous.
 Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
-WARP_SPECIALIZE (Hopper, torch; plan.warp_specialized_forward): unmasked problems run one TMA
-loop that Triton splits into a producer warp and consumer warpgroups, with TMA loads and stores.
+WARP_SPECIALIZE (Hopper, torch; plan.warp_specialized_forward): one TMA loop that Triton splits
+into a producer warp and consumer warpgroups, with TMA loads and stores.  It cannot hold masked
+tiles, so with SPLIT_BAND (causal, windows) the band runs in two launches of this kernel: the
+warp-specialised one over the unmasked interior of its SPLIT_BAND x SPLIT_BAND tiles, then a
+portable one, on its own smaller tiles, over the masked edges that resumes the online softmax from
+the O and lse the first stored.
 """
 import triton
 import triton.language as tl
 
-from .rules import (FWD_INTS, LN2, LOG2E, aligned, dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids,
-                    load_rows, load_tile, logits, loop_segment, program_tile, reduce_max, reduce_sum, row_tiles,
+from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids,
+                    load_rows, load_tile, logits, loop_segment, program_tile, reduce_max, reduce_sum, row_stats, row_tiles,
                     sequence_bounds, tile_mask, tile_start)
 
 
@@ -97,7 +101,7 @@ def flash_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_BAND: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -141,27 +145,48 @@ def flash_fwd_kernel(
         # The seed is read from memory so JAX can pass a traced value.
         row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
 
-    # Sinks join every row's denominator: start the online softmax from them.
-    if NUM_SINKS > 0:
+    if SPLIT_BAND and not WARP_SPECIALIZE:
+        # The edges launch: resume from the interior's normalised O and natural lse (sinks
+        # included there).  State m = lse in log2 units with l = 1 gives the same O and lse.
+        O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+        LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
+        lse0 = tl.load(LSE_HEAD + offs_m, mask=offs_m < seqlen_q, other=float("-inf"))
+        seen = lse0 != float("-inf")
+        m_i = tl.where(seen, lse0 * LOG2E, float("-inf"))
+        l_i = tl.where(seen, 1.0, 0.0)
+        acc = tl.load(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :],
+                      mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(tl.float32)
+    elif NUM_SINKS > 0:
+        # Sinks join every row's denominator: start the online softmax from them.
         offs_s = tl.arange(0, BLOCK_SINKS)
         sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS,
                         other=float("-inf")).to(tl.float32) * LOG2E
         sink_max = reduce_max(sinks, 0)
         m_i = tl.full([BLOCK_M], 0.0, tl.float32) + sink_max
         l_i = tl.full([BLOCK_M], 0.0, tl.float32) + reduce_sum(tl.exp2(sinks - sink_max), 0)
+        acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
 
     start, full_start, full_end, end, BLOCK_LIST = key_tiles(
         m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
         window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
+    if SPLIT_BAND and not WARP_SPECIALIZE:
+        # The edges launch runs smaller tiles than the interior's (SPLIT_BAND square): its band
+        # minus that interior.  The interior is visible to every row, so it lies inside this
+        # band; its ends are multiples of SPLIT_BAND, so no edge tile overlaps it.
+        _, cut_lo, cut_hi, _ = band_range((m0 // SPLIT_BAND) * SPLIT_BAND, seqlen_q, seqlen_k, diag, window_left,
+                                          window_right, SPLIT_BAND, SPLIT_BAND, HAS_LEFT, HAS_RIGHT)
+        full_start = tl.minimum(tl.maximum(cut_lo, start), end)
+        full_end = tl.minimum(tl.maximum(cut_hi, full_start), end)
     for segment in tl.static_range(3):
         # Warp-specialised (Hopper, TMA; plan.warp_specialized_forward): Triton 3.6 specialises
-        # a kernel's only loop, so segment 1 runs the whole band and the edges compile away.
-        if segment == 1 or not WARP_SPECIALIZE:
-            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
+        # a kernel's only loop, so only segment 1 compiles: the whole band, or with SPLIT_BAND the
+        # unmasked interior (the edges launch then runs segments 0 and 2).
+        if (segment == 1) == WARP_SPECIALIZE or not (WARP_SPECIALIZE or SPLIT_BAND):
+            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE and not SPLIT_BAND)
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
                 K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
@@ -187,6 +212,6 @@ def flash_fwd_kernel(
                  mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
     LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
     if WARP_SPECIALIZE:
-        tl.make_tensor_descriptor(LSE_HEAD, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M]).store([m0], lse)
+        row_stats(LSE_HEAD, seqlen_q, BLOCK_M, True).store([m0], lse)
     else:
         tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < seqlen_q)

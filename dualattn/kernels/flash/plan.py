@@ -240,6 +240,15 @@ def out_shape(shapes: FlashShapes):
     return (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim_v)
 
 
+_PLAN_CACHES = []
+
+
+def forget_plans() -> None:
+    """Drop every memoised plan (after changing one of this module's rule constants, e.g. in tests)."""
+    for cache in _PLAN_CACHES:
+        cache.cache_clear()
+
+
 def _memoised(plan_fn):
     """Plans are pure functions of hashable descriptions: build each one once per process.
     (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
@@ -252,7 +261,7 @@ def _memoised(plan_fn):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
         return cached(shapes, options, frozen, config, int(diag_shift), sparse,
                       tuple(sorted((k, bool(v)) for k, v in flags.items())))
-    plan.cache_clear = cached.cache_clear
+    _PLAN_CACHES.append(cached)
     return plan
 
 
@@ -260,28 +269,58 @@ def _memoised(plan_fn):
 # (8 warps compile unspecialised), and of the probed 4-warp tiles 128x128 with 2 stages was the
 # fastest and the only one free of miscompiles (128x64 with 3 stages returned NaN):
 # benchmarks/NOTES.md steps 14 and 18.
-WS_TILE = TileConfig(128, 128, 4, 2)
+WS_TILE = TileConfig(128, 128, 4, 2)   # square: SPLIT_BAND cuts bands by it
 WS_MIN_KEY_WORK = 1 << 18   # seqlen_k * head dim
 
 
 def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """Whether the forward can run as one warp-specialised TMA loop (`warp_specialize` launches).
+    """Whether the forward can run warp-specialised (`warp_specialize` launches): one TMA loop with
+    no branch in its body over every unmasked key tile of the band (split_band says whether the
+    masked edges then need a second launch, split_band_pays whether that is worth it).
 
-    One loop with no branch in its body: every key tile full and unmasked -- no window or causal
-    mask, no ragged or packed keys, no bias, mask, segments, soft cap, dropout or block-sparse
-    lists (the masks could be applied branch-free to every tile, but causal forwards measured
-    equal at D=128 and 23% slower at D=64, NOTES step 18); 16-bit inputs; TMA-legal strides and
-    widths; at least one full query tile, and 16-byte-aligned lse rows (its stores are TMA too);
-    and enough work per program to repay building five descriptors, Sk * D >= WS_MIN_KEY_WORK (in
-    the session-6 sweep, against the same kernel without it: D=64 lost 18% at S=1024 and 5% at
+    Ruled out: per-element options -- bias, mask, segments, soft cap, dropout, explicit positions,
+    block-sparse lists -- and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed:
+    at least one full query tile, 16-byte-aligned lse rows (its stores are TMA too), and enough
+    work per program to repay building five descriptors, Sk * D >= WS_MIN_KEY_WORK (in the
+    session-6 sweep, against the same kernel without it: D=64 lost 18% at S=1024 and 5% at
     S=2048, won 4-7% from S=4096; D=128 won 6% at S=2048 and 4% at S=1024, left out as noise)."""
     const = dict(constexprs)
-    return (sparse is None and not shapes.varlen and shapes.seqlen_k % WS_TILE.block_n == 0
+    return (sparse is None and not shapes.varlen
             and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
             and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs)
-            and not any(const[f] for f in ("HAS_LEFT", "HAS_RIGHT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS",
-                                           "HAS_SOFTCAP", "HAS_DROPOUT", "HAS_POSITIONS")))
+            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_SOFTCAP", "HAS_DROPOUT",
+                                           "HAS_POSITIONS")))
+
+
+def split_band(shapes: FlashShapes, constexprs) -> bool:
+    """Whether a warp-specialised forward leaves masked edge tiles (causal or window bands, a
+    partial last key tile) to a second, portable launch (SPLIT_BAND).  A mask applied branch-free
+    to every tile inside the one loop measured equal at D=128 and 23% slower at D=64, and an `if`
+    in the loop undoes the specialisation (NOTES step 18)."""
+    const = dict(constexprs)
+    return const["HAS_LEFT"] or const["HAS_RIGHT"] or shapes.seqlen_k % WS_TILE.block_n != 0
+
+
+# When a split band pays: the edges launch reads q, O, k and v again and writes O (~0.14 ms per
+# 16k tokens of 16 heads at D=128 on the H100) against the interior's ~12%.  Measured (NOTES step
+# 19, causal): D=128 +3% at S=8192 and +7% at S=16384, -5% at S=4096; D=64 -16% to 0%.
+WS_SPLIT_MIN_KEYS = 8192        # keys the last query row of a tile can see
+WS_SPLIT_MIN_HEAD_DIM = 128     # padded head dim (BLOCK_D / BLOCK_DV)
+
+
+def split_band_pays(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
+    const = dict(constexprs)
+    last_row_keys = min(shapes.seqlen_k, (options.window_left if const["HAS_LEFT"] else shapes.seqlen_k)
+                        + (options.window_right if const["HAS_RIGHT"] else shapes.seqlen_k) + 1)
+    return (max(const["BLOCK_D"], const["BLOCK_DV"]) >= WS_SPLIT_MIN_HEAD_DIM
+            and last_row_keys >= WS_SPLIT_MIN_KEYS)
+
+
+# The edges launch of a split band: one or a few masked tiles per program, so small tiles (more
+# programs in flight hide the latency of its serial loads).  The band's interior is cut by
+# WS_TILE (square) whatever this tile is.
+WS_EDGES_TILE = TileConfig(64, 64, 4, 2)
 
 
 @_memoised
@@ -294,28 +333,62 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     With `sparse`, the kernels walk the layout's block lists (inputs SPARSE_INPUTS) and the
     tiles are the layout's blocks.  `warp_specialize`: the launcher can build TMA descriptors on
     an sm_90 GPU and allows the warp-specialised variant, which eligible problems then take with
-    WS_TILE in place of config.fwd.
+    WS_TILE in place of config.fwd; where split_band, the returned launch's `then` finishes the
+    masked edges.
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     ws = warp_specialize and warp_specialized_forward(shapes, sparse, constexprs)
-    t = WS_TILE if ws else config.fwd
+    split = ws and split_band(shapes, constexprs)
+    if split and not split_band_pays(shapes, options, constexprs):
+        ws = split = False
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
-    return Launch(
-        module="flash.forward", kernel="flash_fwd_kernel",
-        grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
-        inputs=FWD_INPUTS, scalars=scalars,
-        outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32")),
-        # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
-        # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
-        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n),
-                                 ("TMA", ws or (_use_tma(tma, shapes, constexprs) and t.num_stages != 2)),
-                                 ("WARP_SPECIALIZE", ws)),
-        num_warps=t.num_warps, num_stages=t.num_stages)
+
+    def launch(t: TileConfig, tma_loads: bool, warp_specialized: bool, then: Optional[Launch] = None) -> Launch:
+        return Launch(
+            module="flash.forward", kernel="flash_fwd_kernel",
+            grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
+            inputs=FWD_INPUTS, scalars=scalars,
+            outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32")),
+            constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", tma_loads),
+                                     ("WARP_SPECIALIZE", warp_specialized),
+                                     ("SPLIT_BAND", WS_TILE.block_m if split else 0)),
+            num_warps=t.num_warps, num_stages=t.num_stages, then=then)
+
+    if ws:
+        return launch(WS_TILE, True, True, then=launch(WS_EDGES_TILE, False, False) if split else None)
+    # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
+    # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
+    return launch(config.fwd, _use_tma(tma, shapes, constexprs) and config.fwd.num_stages != 2, False)
 
 
 BWD_KERNEL_INPUTS = FWD_INPUTS + ("dout", "lse", "delta")
+
+# Warp-specialised backward tiles (4-warp loops, as the forward's), by padded head dim, from the
+# probe (benchmarks/experiments/ws_bwd_probe.py, NOTES step 20): the tile a program owns must be
+# 128 rows, which the pass splits over two consumer warpgroups (64-row ones ran both on the same
+# rows: half speed).  D=64 keeps the portable kernels: there the specialised dQ lost to the
+# portable one in the probe, and the specialised dK/dV, +15% in the probe, measured equal in ours.
+WS_DKDV_TILES = {128: TileConfig(64, 128, 4, 2)}
+WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
+
+
+def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs
+                              ) -> Tuple[Optional[TileConfig], Optional[TileConfig]]:
+    """The warp-specialised (dK/dV, dQ) tiles where the backward can take them (None: portable).
+
+    What the forward needs (warp_specialized_forward), with every tile of both loops full and
+    unmasked: no window or causal band, Sq and Sk multiples of 128, enough work per dK/dV program
+    too (Sq * D >= WS_MIN_KEY_WORK); and for dK/dV one query head per KV head, since its GQA loop
+    over the group's heads would be a second loop."""
+    const = dict(constexprs)
+    if not (warp_specialized_forward(shapes, sparse, constexprs) and not split_band(shapes, constexprs)
+            and shapes.seqlen_q % 128 == 0
+            and shapes.seqlen_q * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK):
+        return None, None
+    width = max(const["BLOCK_D"], const["BLOCK_DV"])
+    return (WS_DKDV_TILES.get(width) if shapes.group_size == 1 else None), WS_DQ_TILES.get(width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,10 +402,12 @@ class BackwardPlan:
 @_memoised
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                  tma: bool = False, lse_grad: bool = False) -> BackwardPlan:
+                  tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
+    warp_specialize: as plan_forward's; eligible kernels take the tiles warp_specialized_backward
+    gives in place of config's.
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
@@ -374,9 +449,10 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
 
     use_tma = _use_tma(tma, shapes, constexprs)
+    ws_dkdv, ws_dq = warp_specialized_backward(shapes, sparse, constexprs) if warp_specialize else (None, None)
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
-    t = config.bwd_dkdv
+    t = ws_dkdv or config.bwd_dkdv
     dkdv = Launch(
         module="flash.backward", kernel="flash_bwd_dkdv_kernel",
         grid=(cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1),
@@ -386,19 +462,21 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias)),
-        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma)),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
+                                 ("WARP_SPECIALIZE", bool(ws_dkdv))),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
-    t = config.bwd_dq
+    t = ws_dq or config.bwd_dq
     dq = Launch(
         module="flash.backward", kernel="flash_bwd_dq_kernel",
         grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
         inputs=BWD_KERNEL_INPUTS,
         scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape))),
         outputs=(Output("dquery", q_shape, "like:query"),),
-        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma)),
+        constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dq)),
+                                 ("WARP_SPECIALIZE", bool(ws_dq))),
         num_warps=t.num_warps, num_stages=t.num_stages)
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
 

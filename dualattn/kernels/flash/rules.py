@@ -247,6 +247,25 @@ def load_rows(TILES, start, offs_r, stride_s, row_limit, offs_c, col_limit, CHEC
                          col_limit, CHECK_ROWS, CHECK_COLS)
 
 
+@triton.jit
+def row_stats(HEAD, n_rows, BLOCK: tl.constexpr, DESCRIPTOR: tl.constexpr):
+    """What a head's per-row fp32 statistics (lse, delta) are read or written through: its pointer,
+    or a 1-D TMA descriptor (warp-specialised kernels; the row start must be 16-byte aligned)."""
+    if DESCRIPTOR:
+        return tl.make_tensor_descriptor(HEAD, shape=[n_rows], strides=[1], block_shape=[BLOCK])
+    else:
+        return HEAD
+
+
+@triton.jit
+def load_stats(STATS, start, offs, n_rows, DESCRIPTOR: tl.constexpr):
+    """Rows start + offs of what row_stats returned (0 past n_rows)."""
+    if DESCRIPTOR:
+        return STATS.load([start])
+    else:
+        return tl.load(STATS + offs, mask=offs < n_rows, other=0.0)
+
+
 # Reductions through the builtin tl.reduce with triton's own combine functions: tl.sum /
 # tl.max are @jit library functions that the per-launch interpreter (kernels/_interpret.py)
 # cannot call, while tl.reduce is a builtin; and the interpreter has numpy fast paths for
