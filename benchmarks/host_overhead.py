@@ -33,16 +33,21 @@ def per_call_us(fn, n=2000):
     return (time.perf_counter() - t) / n * 1e6
 
 
+def causal_op_arguments(q, k, v) -> dict:
+    """The torch op's named arguments for a causal forward of BSHD q, k, v (also used by
+    split_band.py), as the public function passes them."""
+    from dualattn.torch_api import flash
+    statics = dict(max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], softmax_scale=q.shape[-1] ** -0.5,
+                   window_left=-1, window_right=0, logits_soft_cap=0.0, dropout_prob=0.0, dropout_seed=0,
+                   diag_shift=0, sparse_block_q=0, sparse_block_k=0, sparse_contiguous=0)
+    return {**dict.fromkeys(flash._TENSOR_ARGS), "query": q, "key": k, "value": v, **statics}
+
+
 def breakdown(q, k, v):
     """Per-call host time of each layer of the causal forward (no grad)."""
     from dualattn.torch_api import _launch, flash
     from dualattn.kernels.flash import plan as flash_plan
-    statics = dict(max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], softmax_scale=q.shape[-1] ** -0.5,
-                   window_left=-1, window_right=0, logits_soft_cap=0.0, dropout_prob=0.0, dropout_seed=0,
-                   diag_shift=0, sparse_block_q=0, sparse_block_k=0, sparse_contiguous=0)
-    tensors = dict.fromkeys(flash._TENSOR_ARGS)
-    tensors.update(query=q, key=k, value=v)
-    named = {**tensors, **statics}
+    named = causal_op_arguments(q, k, v)
     op_args = [named[n] for n in flash._TENSOR_ARGS + flash._STATIC_ARGS]
     a, sparse, resolved = flash._problem(dict(named))
     shapes, options, config = resolved.shapes, resolved.options, resolved.config

@@ -19,14 +19,11 @@ from dualattn.kernels.launch import cdiv
 
 EDGE_TILES = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2))
 from dualattn.torch_api import _launch, flash
+from host_overhead import causal_op_arguments  # run as a script: this folder is on sys.path
 
 
 def _plans(q, k, v):
-    statics = dict(max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], softmax_scale=q.shape[-1] ** -0.5,
-                   window_left=-1, window_right=0, logits_soft_cap=0.0, dropout_prob=0.0, dropout_seed=0,
-                   diag_shift=0, sparse_block_q=0, sparse_block_k=0, sparse_contiguous=0)
-    named = {**dict.fromkeys(flash._TENSOR_ARGS), "query": q, "key": k, "value": v, **statics}
-    a, sparse, r = flash._problem(named)
+    a, sparse, r = flash._problem(causal_op_arguments(q, k, v))
     out = torch.empty(flash_plan.out_shape(r.shapes), dtype=q.dtype, device=q.device)
     strides = flash._strides({**a, "out": out})
     portable = flash_plan.plan_forward(r.shapes, r.options, strides, config=r.config)

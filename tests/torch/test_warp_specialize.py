@@ -154,6 +154,11 @@ def test_misaligned_base_keeps_the_portable_forward(monkeypatch, forward_plan_fl
     assert flags == [False]
 
 
+def _require_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised kernels are chosen on sm_90 only (where they were tuned)")
+
+
 GPU_CASES = {
     "d128": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts={}),
     "d64-gqa-cross": dict(b=1, sq=1000, sk=4096, hq=8, hkv=2, d=64, opts={}),
@@ -171,8 +176,7 @@ GPU_SPLIT_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
 def test_gpu_warp_specialized_forward(case, monkeypatch, forward_plan_flags, seed):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised forward is chosen on sm_90 only (where it was tuned)")
+    _require_sm90()
     c = dict(GPU_CASES[case])
     monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
     flags = forward_plan_flags("WARP_SPECIALIZE")
@@ -184,8 +188,7 @@ def test_gpu_warp_specialized_forward(case, monkeypatch, forward_plan_flags, see
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_SPLIT_CASES))
 def test_gpu_split_band_forward(case, monkeypatch, forward_plan_flags, split_every_band, seed):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised forward is chosen on sm_90 only (where it was tuned)")
+    _require_sm90()
     c = dict(GPU_SPLIT_CASES[case])
     monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
     ws, split = forward_plan_flags("WARP_SPECIALIZE"), forward_plan_flags("SPLIT_BAND")
@@ -204,8 +207,7 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_BWD_CASES))
 def test_gpu_warp_specialized_backward(case, monkeypatch, backward_plan_flags, seed):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised kernels are chosen on sm_90 only (where they were tuned)")
+    _require_sm90()
     c, want = dict(GPU_BWD_CASES[case][0]), GPU_BWD_CASES[case][1]
     monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),

@@ -317,9 +317,10 @@ def split_band_pays(shapes: FlashShapes, options: FlashOptions, constexprs) -> b
             and last_row_keys >= WS_SPLIT_MIN_KEYS)
 
 
-# The edges launch of a split band: one or a few masked tiles per program, so small tiles (more
-# programs in flight hide the latency of its serial loads).  The band's interior is cut by
-# WS_TILE (square) whatever this tile is.
+# The edges launch of a split band: one or a few masked tiles per program.  It is bound by reading
+# q, O, k, v again, but small tiles still measured fastest (64x64/4 warps 0.142 ms, 128x128/8 warps
+# 0.180 ms per 16k tokens at D=128; NOTES step 19).  The band's interior is cut by WS_TILE
+# (square) whatever this tile is.
 WS_EDGES_TILE = TileConfig(64, 64, 4, 2)
 
 
