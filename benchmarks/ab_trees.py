@@ -4,7 +4,8 @@
     for t in /tmp/base $PWD /tmp/base $PWD; do PYTHONPATH=$t python benchmarks/ab_trees.py $(basename $t) out_$(basename $t).json; done
 
 Times the torch path's forward and forward+backward (do_bench medians, TFLOP/s) at D=128 (H=16) and
-D=64 (H=32), 16k tokens, S = 2048 and 8192 (or the comma-separated third argument), causal and not.  Alternate the trees: the spread between
+D=64 (H=32) (or the comma-separated fourth argument's head dims), 16k tokens, S = 2048 and 8192 (or the
+comma-separated third argument), causal and not.  Alternate the trees: the spread between
 rounds of one tree (a few % at S=2048) is the noise any difference must beat (benchmarks/NOTES.md).
 """
 import json
@@ -17,10 +18,11 @@ import dualattn
 import dualattn.torch_api as dt
 
 
-def main(tag: str, out: str, seqlens=(2048, 8192)):
+def main(tag: str, out: str, seqlens=(2048, 8192), head_dims=(128, 64)):
     print(tag, dualattn.__file__, flush=True)
     res = {}
-    for d, h in ((128, 16), (64, 32)):
+    for d in head_dims:
+        h = 16 * 128 // d
         for s in seqlens:
             b = 16384 // s
             for causal in (False, True):
@@ -46,4 +48,4 @@ def main(tag: str, out: str, seqlens=(2048, 8192)):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *([tuple(int(x) for x in sys.argv[3].split(","))] if len(sys.argv) > 3 else []))
+    main(sys.argv[1], sys.argv[2], *(tuple(int(x) for x in arg.split(",")) for arg in sys.argv[3:5]))

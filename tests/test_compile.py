@@ -272,6 +272,9 @@ WS_BWD = (
     Variant("ws-bwd-fp16-d80-sinks-dlse", dtype="float16", d=80, sq=4096, sk=4096, sinks=("head", 1), lse_grad=True,
             ws=True),
     Variant("ws-bwd-bf16-d96-dv64", d=96, dv=64, sq=4096, sk=4096, ws=True),
+    # Bands run whole in the one loop, masked on every tile.
+    Variant("ws-bwd-bf16-d128-causal", sq=2048, sk=2048, causal=True, ws=True),
+    Variant("ws-bwd-fp16-d128-window-cross", dtype="float16", sq=2048, sk=4096, window=(1000, 300), ws=True),
 )
 
 
@@ -289,7 +292,8 @@ def test_compile_warp_specialized_backward(variant, kernel):
 def test_plan_keeps_the_portable_backward_where_one_loop_cannot_do():
     long = dict(sq=4096, sk=4096, ws=True)
     assert Variant("eligible", **long).launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
-    for v in (Variant("causal", causal=True, **long), Variant("ragged-q", sq=4000, sk=4096, ws=True),
+    assert Variant("causal", causal=True, **long).launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
+    for v in (Variant("ragged-q", sq=4000, sk=4096, ws=True),
               Variant("ragged-k", sq=4096, sk=4000, ws=True), Variant("few-queries", sq=1024, sk=4096, ws=True),
               Variant("gqa", hq=4, hkv=2, **long), Variant("dropout", dropout=0.1, **long),
               Variant("d64", d=64, **long), Variant("not-asked", sq=4096, sk=4096)):

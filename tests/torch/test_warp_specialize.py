@@ -120,6 +120,13 @@ BWD_CASES = {
                   (True, True)),
     "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
     "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
+    # Bands run whole in the one loop, position-masked on every tile.
+    "causal": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(causal=True)), (True, True)),
+    # Bottom-right causal with more queries than keys: the first 128 rows see nothing.
+    "causal-empty-rows-sinks": (dict(b=1, sq=384, sk=256, hq=2, hkv=2, d=128, opts=dict(causal=True), sinks=True),
+                                (True, True)),
+    "window-cross-gqa": (dict(b=1, sq=256, sk=512, hq=4, hkv=2, d=128, opts=dict(sliding_window=(150, 40))),
+                         (False, True)),
 }
 
 
@@ -201,6 +208,11 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
     "d80": (dict(b=1, sq=4096, sk=4096, hq=8, hkv=8, d=80, opts={}), (True, True)),
     "d128-gqa-cross-sinks": (dict(b=1, sq=2048, sk=4096, hq=8, hkv=2, d=128, opts={}, sinks=True), (False, True)),
     "d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(softmax_scale=0.05)), (True, True)),
+    "causal-d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True)), (True, True)),
+    "causal-empty-rows-d128-sinks": (dict(b=1, sq=2560, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True),
+                                          sinks=True), (True, True)),
+    "window-d128-cross": (dict(b=1, sq=2048, sk=4096, hq=4, hkv=4, d=128, opts=dict(sliding_window=(700, 300))),
+                          (True, True)),
 }
 
 

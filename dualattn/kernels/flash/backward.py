@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
                     dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_stats,
-                    load_tile, logits, loop_segment, program_tile, query_range, reduce_sum, row_stats, row_tiles,
-                    rows_cols, sequence_bounds, tile_mask, tile_start)
+                    load_tile, logits, loop_segment, own_tile_frame, program_tile, query_range, reduce_sum, row_stats,
+                    row_tiles, rows_cols, sequence_bounds, tile_mask, tile_start)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
@@ -70,7 +70,8 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
                    bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right,
                    sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+                   HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+                   IN_BOUNDS: tl.constexpr):
     """Recompute probabilities and the soft-cap derivative 1 - tanh^2 from the raw q.k tile.
 
     The tile is [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (key-major) when TRANSPOSED.
@@ -86,7 +87,7 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
     if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
-                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, TRANSPOSED, HAS_POSITIONS)
+                       POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, TRANSPOSED, HAS_POSITIONS, IN_BOUNDS)
         s = tl.where(ok, s, float("-inf"))
     # lse = -inf marks a fully masked row: every s there is -inf too, so P = 0.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
@@ -101,7 +102,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
                  dropout_threshold, dropout_scale, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+                 TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr, IN_BOUNDS: tl.constexpr):
     """One tile's probabilities P (as dropout keeps them, for dV), dP and the soft-cap factor.
 
     Query-major [BLOCK_M, BLOCK_N] from x, dx = q, dO and y, dy = k, v (dQ); key-major
@@ -112,7 +113,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
                                  q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW, bias_stride_s, mask_stride_s,
                                  seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap, POSITIONAL,
                                  HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, TRANSPOSED,
-                                 HAS_POSITIONS)
+                                 HAS_POSITIONS, IN_BOUNDS)
     dp = tl.dot(dx, tl.trans(dy), input_precision=DOT_PRECISION)
     p_dropped = p
     if HAS_DROPOUT:
@@ -158,7 +159,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
             k, q, v, do, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
             dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
-            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS)
+            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS, WARP_SPECIALIZE)  # (plan: tiles inside)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dz_t = p_t * (dp_t - delta[None, :]) * cap_grad  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
@@ -208,6 +209,7 @@ def flash_bwd_dkdv_kernel(
         if n0 >= seqlen_k:
             return
     diag = seqlen_k - seqlen_q + diag_shift
+    BAND_IN_LOOP: tl.constexpr = WARP_SPECIALIZE and (HAS_LEFT or HAS_RIGHT)  # see flash_bwd_dq_kernel
     dropout_seed = 0
     if HAS_DROPOUT:
         dropout_seed = tl.load(DROPOUT_SEED)
@@ -231,6 +233,7 @@ def flash_bwd_dkdv_kernel(
         start, full_start, full_end, end = query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
                                                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         BLOCK_LIST = SPARSE_Q_INDEX  # unused
+    mask_offs_n, mask_seqlen_k, mask_diag = own_tile_frame(n0, offs_n, seqlen_k, diag, BLOCK_N, True, BAND_IN_LOOP)
     for g in range(0, GROUP_SIZE):
         h = h_kv * GROUP_SIZE + g
         if BLOCK_SPARSE:
@@ -252,17 +255,18 @@ def flash_bwd_dkdv_kernel(
         DBIAS_ROW = DBIAS + b64 * dbias_stride_b + h * dbias_stride_h
         QSEG_ROW = QSEG + b64 * seg_stride_qb
         for segment in tl.static_range(3):
-            # Warp-specialised: one loop over the whole band (every tile full; plan's rule).
+            # Warp-specialised: one loop over the whole band (every tile inside the sequences:
+            # plan's rule), position-masked on every tile when the band has edges.
             if segment == 1 or not WARP_SPECIALIZE:
                 lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
+                    dk, dv, k, v, k_seg, k_pos, mask_offs_n, lo, hi, BLOCK_LIST, batch_head,
                     Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
                     DBIAS_ROW,
                     stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
-                    seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                    seqlen_q, mask_seqlen_k, mask_diag, window_left, window_right, sm_scale, softcap,
                     dropout_seed, dropout_threshold, dropout_scale,
-                    segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    segment != 1 or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
                     BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
     dk = dk * sm_scale
@@ -309,7 +313,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLO
             q, k, do, v, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
             dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
-            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS)
+            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS, WARP_SPECIALIZE)  # (plan: tiles inside)
         dz = p * (dp - delta[:, None]) * cap_grad
         dq = tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -353,6 +357,10 @@ def flash_bwd_dq_kernel(
         if m0 >= seqlen_q:
             return
     diag = seqlen_k - seqlen_q + diag_shift
+    # A warp-specialised loop holds no branch, so a causal or window band runs in it whole with
+    # the position mask on every tile: the backward's five GEMMs per tile hide the extra selects
+    # (the forward's two do not, so the forward splits the band instead: NOTES steps 19, 21).
+    BAND_IN_LOOP: tl.constexpr = WARP_SPECIALIZE and (HAS_LEFT or HAS_RIGHT)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -386,15 +394,16 @@ def flash_bwd_dq_kernel(
     start, full_start, full_end, end, BLOCK_LIST = key_tiles(
         m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
         window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
+    mask_offs_m, mask_seqlen_q, mask_diag = own_tile_frame(m0, offs_m, seqlen_q, diag, BLOCK_M, False, BAND_IN_LOOP)
     for segment in tl.static_range(3):
         if segment == 1 or not WARP_SPECIALIZE:
             lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
-            dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+            dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, mask_offs_m, lo, hi, BLOCK_LIST,
                            K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                            stride_ks, stride_vs, bias_stride_s, mask_stride_s,
-                           seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
+                           mask_seqlen_q, seqlen_k, mask_diag, window_left, window_right, sm_scale, softcap,
                            dropout_threshold, dropout_scale,
-                           segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                           segment != 1 or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
                            BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
     dq = dq * sm_scale

@@ -296,8 +296,10 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
 def split_band(shapes: FlashShapes, constexprs) -> bool:
     """Whether a warp-specialised forward leaves masked edge tiles (causal or window bands, a
     partial last key tile) to a second, portable launch (SPLIT_BAND).  A mask applied branch-free
-    to every tile inside the one loop measured equal at D=128 and 23% slower at D=64, and an `if`
-    in the loop undoes the specialisation (NOTES step 18)."""
+    to every tile inside the one loop measured equal at D=128 and 23% slower at D=64 (NOTES step
+    18), and slower still with the backward's three-operation band test (step 21: -4 to -8% at
+    D=128, -20 to -27% at D=64; experiments/ws_band_in_loop_fwd.patch); an `if` in the loop undoes
+    the specialisation."""
     const = dict(constexprs)
     return const["HAS_LEFT"] or const["HAS_RIGHT"] or shapes.seqlen_k % WS_TILE.block_n != 0
 
@@ -379,13 +381,14 @@ def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo],
                               ) -> Tuple[Optional[TileConfig], Optional[TileConfig]]:
     """The warp-specialised (dK/dV, dQ) tiles where the backward can take them (None: portable).
 
-    What the forward needs (warp_specialized_forward), with every tile of both loops full and
-    unmasked: no window or causal band, Sq and Sk multiples of 128, enough work per dK/dV program
-    too (Sq * D >= WS_MIN_KEY_WORK); and for dK/dV one query head per KV head, since its GQA loop
-    over the group's heads would be a second loop."""
+    What the forward needs (warp_specialized_forward), with every tile of both loops inside the
+    sequences: Sq and Sk multiples of 128; enough work per dK/dV program too (Sq * D >=
+    WS_MIN_KEY_WORK); and for dK/dV one query head per KV head, since its GQA loop over the
+    group's heads would be a second loop.  A causal or window band runs whole in the one loop,
+    position-masked on every tile (backward.py)."""
     const = dict(constexprs)
-    if not (warp_specialized_forward(shapes, sparse, constexprs) and not split_band(shapes, constexprs)
-            and shapes.seqlen_q % 128 == 0
+    if not (warp_specialized_forward(shapes, sparse, constexprs)
+            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
             and shapes.seqlen_q * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK):
         return None, None
     width = max(const["BLOCK_D"], const["BLOCK_DV"])

@@ -94,6 +94,23 @@ def query_range(n0, seqlen_q, seqlen_k, diag, window_left, window_right,
 
 
 @triton.jit
+def own_tile_frame(t0, offs, limit, diag, BLOCK: tl.constexpr, KEYS: tl.constexpr, RELATIVE: tl.constexpr):
+    """(indices, sequence length, diag) of a program's own tile [t0, t0 + BLOCK) as tile_mask takes them.
+
+    RELATIVE (warp-specialised loops): indices from 0, with t0 folded into the length and the
+    diagonal -- the same mask, since key j = t0 + r is in row i's band iff r - i - (diag - t0) is
+    (query i = t0 + r: j - r - (diag + t0)).  Triton 3.6 splits such a loop's 128-row tile over two
+    consumer warpgroups and gives the second both a range from 64 and t0 + 64 (the offset it
+    applies to the tile's TMA coordinate t0), so `t0 + tl.arange` masked rows 64-127 as rows
+    128-191 there (H100; benchmarks/NOTES.md step 21)."""
+    if RELATIVE:
+        offs = tl.arange(0, BLOCK)
+        limit = limit - t0
+        diag = diag - t0 if KEYS else diag + t0
+    return offs, limit, diag
+
+
+@triton.jit
 def rows_cols(offs_m, offs_n, TRANSPOSED: tl.constexpr):
     """Broadcastable query / key index grids of a tile: [M, 1] x [1, N], or [1, M] x [N, 1]
     when the tile is stored key-major (dK/dV compute S^T = K Q^T so no register transposes)."""
@@ -111,26 +128,33 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
               q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
               POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_SEGMENTS: tl.constexpr, HAS_MASK: tl.constexpr, TRANSPOSED: tl.constexpr,
-              HAS_POSITIONS: tl.constexpr):
+              HAS_POSITIONS: tl.constexpr, IN_BOUNDS: tl.constexpr = False):
     """Boolean tile: may query offs_m attend key offs_n ([M, N], or [N, M] if TRANSPOSED).
 
     POSITIONAL=False is the fast path for tiles that band_range proved full; segment ids
     and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].  With
     HAS_POSITIONS the window compares the given positions (q_pos, k_pos tiles) instead of
-    i + diag and j (block-sparse layouts, where every tile is POSITIONAL).
+    i + diag and j (block-sparse layouts, where every tile is POSITIONAL).  IN_BOUNDS: the
+    caller knows both tiles lie inside their sequences (warp-specialised backward loops, which
+    mask every tile: each full-tile operation saved counts there).
     """
     mi, nj = rows_cols(offs_m, offs_n, TRANSPOSED)
-    ok = (mi >= 0) & (nj >= 0)
+    ok = (mi >= 0) & (nj >= 0)   # all true, in the tile's shape
     if POSITIONAL:
-        ok = ok & (mi < seqlen_q) & (nj < seqlen_k)
         if HAS_POSITIONS:
             qp, kp = rows_cols(q_pos, k_pos, TRANSPOSED)
             d = kp - qp
         else:
-            d = nj - mi - diag
-        if HAS_LEFT:
+            d = (nj - diag) - mi   # (diag on the vector: one full-tile operation fewer)
+        if IN_BOUNDS and HAS_RIGHT:
+            ok = d <= window_right
+        elif IN_BOUNDS and HAS_LEFT:
+            ok = d >= -window_left
+        elif not IN_BOUNDS:
+            ok = ok & (mi < seqlen_q) & (nj < seqlen_k)
+        if HAS_LEFT and (HAS_RIGHT or not IN_BOUNDS):
             ok = ok & (d >= -window_left)
-        if HAS_RIGHT:
+        if HAS_RIGHT and not IN_BOUNDS:
             ok = ok & (d <= window_right)
     if HAS_SEGMENTS:
         qs, ks = rows_cols(q_seg, k_seg, TRANSPOSED)
