@@ -146,16 +146,15 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
             d = kp - qp
         else:
             d = (nj - diag) - mi   # (diag on the vector: one full-tile operation fewer)
-        if IN_BOUNDS and HAS_RIGHT:
-            ok = d <= window_right
-        elif IN_BOUNDS and HAS_LEFT:
-            ok = d >= -window_left
-        elif not IN_BOUNDS:
+        # In bounds, the band test alone (callers pass IN_BOUNDS with a causal or window band).
+        if not IN_BOUNDS:
             ok = ok & (mi < seqlen_q) & (nj < seqlen_k)
-        if HAS_LEFT and (HAS_RIGHT or not IN_BOUNDS):
-            ok = ok & (d >= -window_left)
-        if HAS_RIGHT and not IN_BOUNDS:
-            ok = ok & (d <= window_right)
+        if HAS_LEFT:
+            left = d >= -window_left
+            ok = left if IN_BOUNDS else ok & left
+        if HAS_RIGHT:
+            right = d <= window_right
+            ok = right if IN_BOUNDS and not HAS_LEFT else ok & right
     if HAS_SEGMENTS:
         qs, ks = rows_cols(q_seg, k_seg, TRANSPOSED)
         ok = ok & (qs == ks)
