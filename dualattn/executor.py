@@ -198,8 +198,14 @@ def current_override(algorithm: str):
 # ----------------------------------------------------------------------------- disk cache
 
 def cache_path() -> str:
-    """$DUALATTN_CACHE_DIR/configs.json, else ~/.cache/dualattn/configs.json (read at each call)."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "dualattn")
+    """$DUALATTN_CACHE_DIR/configs.json, else ~/.cache/dualattn/configs.json (the environment is
+    read at each call; the path is built once per value: every launch asks, NOTES step 22)."""
+    return _cache_path(os.environ.get(CACHE_DIR_ENV), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_path(cache_dir: Optional[str], home: Optional[str]) -> str:
+    root = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "dualattn")
     return os.path.join(root, CACHE_FILE)
 
 

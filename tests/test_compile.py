@@ -64,7 +64,7 @@ class Variant:
     sparse: Optional[Tuple[int, int]] = None  # block-sparse layout (block_q, block_k), one per head
     tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
     lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
-    ws: bool = False                    # allow the warp-specialised kernels, as torch does on sm_90
+    ws: bool = False                    # allow the warp-specialised kernels, as the launchers do on sm_90
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -116,7 +116,8 @@ class Variant:
                                       warp_specialize=self.ws, **extra)
         bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
                                        lse_grad=self.lse_grad, warp_specialize=self.ws, **extra)
-        dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32")
+        dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
+                      resume_out=self.dtype, resume_lse="float32")   # a split band's edges launch
         if self.lse_grad:
             dtypes["dlse"] = "float32"
         if self.dropout > 0:
@@ -225,7 +226,7 @@ def test_hopper_forward_uses_wgmma():
     assert "wgmma.mma_async" in ptx, "sm_90 bf16 forward fell back to mma.sync"
 
 
-# TMA tile loads: what the torch launcher compiles on Hopper (sm_90 only; jax-triton never asks).
+# TMA tile loads: what the launchers compile on Hopper with DUALATTN_TMA=1 (sm_90 only).
 TMA_FAST = (
     Variant("tma-bf16-d128-causal", causal=True, tma=True),
     Variant("tma-fp16-d64-gqa-window-softcap-bias-sinks", dtype="float16", d=64, hq=4, hkv=2, window=(16, 8),
@@ -247,7 +248,7 @@ def test_compile_tma(variant, kernel):
     assert "cp.async.bulk.tensor" in ptx, f"{variant.name}: {launch.kernel} issues no TMA copy"
 
 
-# The warp-specialised forward (torch on sm_90): one TMA loop that Triton splits into a producer
+# The warp-specialised forward (sm_90): one TMA loop that Triton splits into a producer
 # warp and a consumer warpgroup with their own register budgets (setmaxnreg).
 WS_FAST = (
     Variant("ws-bf16-d128", sq=256, sk=2048, ws=True),
@@ -266,7 +267,7 @@ def test_compile_warp_specialized_forward(variant):
     assert "cp.async.bulk.tensor" in ptx
 
 
-# The warp-specialised backward (torch on sm_90): dK/dV and dQ loops split like the forward's.
+# The warp-specialised backward (sm_90): dK/dV and dQ loops split like the forward's.
 WS_BWD = (
     Variant("ws-bwd-bf16-d128", sq=2048, sk=2048, ws=True),
     Variant("ws-bwd-fp16-d80-sinks-dlse", dtype="float16", d=80, sq=4096, sk=4096, sinks=("head", 1), lse_grad=True,
@@ -275,11 +276,13 @@ WS_BWD = (
     # Bands run whole in the one loop, masked on every tile.
     Variant("ws-bwd-bf16-d128-causal", sq=2048, sk=2048, causal=True, ws=True),
     Variant("ws-bwd-fp16-d128-window-cross", dtype="float16", sq=2048, sk=4096, window=(1000, 300), ws=True),
+    # D=64 specialises dK/dV only, and only with a band (plan.WS_DKDV_BANDED_TILES).
+    Variant("ws-bwd-bf16-d64-causal", d=64, sq=4096, sk=4096, causal=True, ws=True),
 )
 
 
 @pytest.mark.parametrize("variant, kernel", [pytest.param(v, k, id=f"{k}-{v.name}") for v in WS_BWD
-                                             for k in ("dkdv", "dq")])
+                                             for k in (("dkdv",) if v.d == 64 else ("dkdv", "dq"))])
 def test_compile_warp_specialized_backward(variant, kernel):
     launch, dtypes = variant.launch(kernel, 90)
     const = launch.constexpr_dict
@@ -293,6 +296,9 @@ def test_plan_keeps_the_portable_backward_where_one_loop_cannot_do():
     long = dict(sq=4096, sk=4096, ws=True)
     assert Variant("eligible", **long).launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
     assert Variant("causal", causal=True, **long).launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
+    d64_causal = Variant("d64-causal", d=64, causal=True, **long)
+    assert d64_causal.launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
+    assert not d64_causal.launch("dq", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
     for v in (Variant("ragged-q", sq=4000, sk=4096, ws=True),
               Variant("ragged-k", sq=4096, sk=4000, ws=True), Variant("few-queries", sq=1024, sk=4096, ws=True),
               Variant("gqa", hq=4, hkv=2, **long), Variant("dropout", dropout=0.1, **long),

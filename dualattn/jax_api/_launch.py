@@ -7,6 +7,7 @@ they run the same kernel variant with the same grid and tiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Dict, Optional
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..kernels import _interpret
 from ..kernels.launch import Launch
+from . import _scratch
 
 _DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int32": jnp.int32,
            "int8": jnp.int8}
@@ -63,25 +65,38 @@ def run(launch: Launch, arrays: Dict[str, Optional[jax.Array]]) -> Dict[str, jax
     return _run_sequential_vmap(launch, {n: a for n, a in arrays.items() if a is not None})
 
 
+def _types(outputs, arrays: Dict[str, jax.Array]):
+    return [jax.ShapeDtypeStruct(o.shape, _out_dtype(o.dtype, arrays)) for o in outputs]
+
+
 def _run(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    results = _run_one(launch, arrays)
+    if launch.then is not None:  # into fresh buffers: it reads what it resumes from its own inputs
+        resumed = {name: results[result] for name, result in launch.then.resume}
+        results.update(_run(launch.then, {**arrays, **resumed}))
+    return results
+
+
+def _run_one(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     first = next(iter(arrays.values()))
-    out_types = [jax.ShapeDtypeStruct(o.shape, _out_dtype(o.dtype, arrays)) for o in launch.outputs]
     if _on_gpu(first):
-        if launch.then is not None:  # only torch plans chain launches (the split warp-specialised forward)
-            raise NotImplementedError("chained launches need in-place outputs, which this launcher does not pass")
         jt = _import_jax_triton()
+        if any(o.scratch for o in launch.outputs):
+            _scratch.register(jt, launch.kernel)
         kernel = _interpret.kernel(launch.module, launch.kernel, interpret=False)
         dummy = arrays[launch.inputs[0]] if launch.inputs[0] in arrays else first
         args = [arrays.get(name, dummy) for name in launch.inputs] + [_scalar(v) for _, v in launch.scalars]
         zeroed = tuple(i for i, o in enumerate(launch.outputs) if o.zeroed)  # must be hashable
-        outs = jt.triton_call(*args, kernel=kernel, out_shape=out_types, grid=launch.grid,
+        outs = jt.triton_call(*args, kernel=kernel, out_shape=_types(launch.outputs, arrays), grid=launch.grid,
                               num_warps=launch.num_warps, num_stages=launch.num_stages,
                               zeroed_outputs=zeroed, **launch.constexpr_dict)
+        outs = [x for o, x in zip(launch.outputs, outs) if not o.scratch]
     else:
         names = list(arrays)
-        outs = jax.pure_callback(_HostLaunch(launch, names, [t.dtype for t in out_types]), out_types, *[arrays[n] for n in names],
-                                 vmap_method="sequential")
-    return {o.name: x for o, x in zip(launch.outputs, outs)}
+        out_types = _types(launch.results, arrays)
+        outs = jax.pure_callback(_HostLaunch(launch, names, [t.dtype for t in out_types]), out_types,
+                                 *[arrays[n] for n in names], vmap_method="sequential")
+    return {o.name: x for o, x in zip(launch.results, outs)}
 
 
 def _run_sequential_vmap(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
@@ -99,7 +114,8 @@ class _HostLaunch:
     """The pure_callback body: the interpreted kernel on torch views of the host buffers."""
 
     def __init__(self, launch: Launch, names, out_dtypes):
-        self.launch, self.names, self.out_dtypes = launch, names, out_dtypes
+        # One launch: _run runs the chain, one callback per launch.
+        self.launch, self.names, self.out_dtypes = dataclasses.replace(launch, then=None), names, out_dtypes
 
     def __call__(self, *values):
         import torch
@@ -112,7 +128,7 @@ class _HostLaunch:
             tensors[name] = t.float() if t.dtype == torch.bfloat16 else t
         res = torch_launch.run(self.launch, tensors)
         outs = []
-        for o, want in zip(self.launch.outputs, self.out_dtypes):
+        for o, want in zip(self.launch.results, self.out_dtypes):
             t = res[o.name]
             if want == jnp.bfloat16:
                 outs.append(t.to(torch.bfloat16).view(torch.int16).numpy().view(jnp.bfloat16))

@@ -38,6 +38,8 @@ class _Static:
     config: flash_plan.FlashConfig
     diag_shift: int = 0
     sparse: Optional[flash_plan.SparseInfo] = None  # block-sparse layout; its lists are in the arrays
+    tma: bool = False               # plan flags, as the torch launcher sets them (_descriptor_flags)
+    warp_specialize: bool = False
 
 
 def _strides(arrays: dict) -> dict:
@@ -48,7 +50,8 @@ def _forward(static: _Static, arrays: dict):
     out_shape = flash_plan.out_shape(static.shapes)
     launch = flash_plan.plan_forward(static.shapes, static.options,
                                      {**_strides(arrays), "out": row_major_strides(out_shape)},
-                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse)
+                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
+                                     tma=static.tma, warp_specialize=static.warp_specialize)
     res = _launch.run(launch, arrays)
     return vary_like((res["out"], res["lse"]), arrays["query"], arrays["key"], arrays["value"])
 
@@ -69,7 +72,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     shapes = static.shapes
     plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
-                                    lse_grad=True)
+                                    tma=static.tma, warp_specialize=static.warp_specialize, lse_grad=True)
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
@@ -135,6 +138,15 @@ def _resolve_backend(backend: str) -> str:
     return {"gpu": "triton", "tpu": "pallas"}.get(platform, "xla")
 
 
+def _descriptor_flags(query) -> dict:
+    """The plans' tma / warp_specialize flags.  XLA's buffers are 16-byte aligned, as descriptors
+    need; the descriptors live in the launch's DESC_SCRATCH buffer (_scratch.py)."""
+    arch = _launch.gpu_arch() if _launch._on_gpu(query) else None
+    descriptors = arch is None or arch >= 90
+    return dict(tma=flash_plan.tma_requested() and descriptors,
+                warp_specialize=flash_plan.warp_specialize_requested(arch) and descriptors)
+
+
 def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:
     # override -> memory -> disk cache (shared with torch, which autotunes) -> plan.default_config
     if _launch._on_gpu(query):
@@ -176,7 +188,8 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         if sparse is not None:  # a dualattn.SparseMask, validated by the block-sparse front end
             arrays.update(_sparse_arrays(sparse))
             info = sparse_info(sparse)
-        static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift), info)
+        static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift), info,
+                         **_descriptor_flags(query))
         out, lse = _flash_triton(static, arrays)
         return (out, lse) if return_lse else out
     if diag_shift:

@@ -17,6 +17,10 @@ class Output:
     shape: Tuple[int, ...]
     dtype: str            # "float32", "bfloat16", ... or "like:<input name>"
     zeroed: bool = False  # must be zero-filled before the launch (accumulated / sparse writes)
+    # The kernel's tensor descriptors live in this buffer where the launcher has no global scratch
+    # of its own (jax-triton: jax_api/_scratch.py); Triton's launcher (torch) brings its own, so
+    # torch passes a dummy pointer.  Never a result.
+    scratch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +34,21 @@ class Launch:
     constexprs: Tuple[Tuple[str, object], ...]
     num_warps: int
     num_stages: int
-    then: Optional["Launch"] = None          # a launch that runs next, updating these outputs in place
+    # A launch that runs next and takes these results on: its inputs named in `resume` (input,
+    # this launch's output) are bound to them, and its outputs of the same names replace them.
+    # Launchers may run it in place (torch: the same tensors) or into fresh buffers (JAX).
+    then: Optional["Launch"] = None
+    resume: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def chain(self) -> Tuple["Launch", ...]:
         """This launch and the ones it hands its outputs to, in order."""
         return (self,) + (self.then.chain if self.then is not None else ())
+
+    @property
+    def results(self) -> Tuple[Output, ...]:
+        """The outputs a caller gets back (scratch buffers are not results)."""
+        return tuple(o for o in self.outputs if not o.scratch)
 
     @property
     def constexpr_dict(self) -> dict:

@@ -104,6 +104,9 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
     args += [value for _, value in launch.scalars]
     outputs = dict(outputs or {})
     for out in launch.outputs:
+        if out.scratch:  # Triton's launcher passes its own global scratch (_ensure_scratch_allocator)
+            args.append(first)
+            continue
         if out.name not in outputs:
             alloc = torch.zeros if out.zeroed else torch.empty
             outputs[out.name] = alloc(out.shape, dtype=output_dtype(out.dtype, arrays), device=device)
@@ -120,7 +123,8 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
         else:
             with torch.cuda.device(device):
                 _launch_cached(kernel, launch, args, device)
-    if launch.then is not None:
-        return run(launch.then, arrays, outputs, device)
+    if launch.then is not None:  # in place: its resumed inputs are the outputs it writes
+        resumed = {name: outputs[result] for name, result in launch.then.resume}
+        return run(launch.then, {**arrays, **resumed}, outputs, device)
     return outputs
 

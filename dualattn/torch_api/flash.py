@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -155,22 +154,13 @@ def _descriptors(a: dict) -> bool:
 
 
 def _tma(a: dict) -> bool:
-    """Whether to ask the plan for TMA tile loads in every kernel (rules.row_tiles; the plan still
-    checks strides and tile widths).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they
-    measured no faster than the pointer loads (benchmarks/NOTES.md step 13)."""
-    return os.environ.get("DUALATTN_TMA", "0") == "1" and _descriptors(a)
+    return flash_plan.tma_requested() and _descriptors(a)
 
 
 def _warp_specialize(a: dict) -> bool:
-    """Whether the forward and backward may run warp-specialised (plan.warp_specialized_forward and
-    plan.warp_specialized_backward decide if the problem qualifies).  Default: on sm_90 GPUs, where
-    they were tuned (benchmarks/NOTES.md steps 18-20).  DUALATTN_WS=0 turns them off -- then torch runs the variant the JAX launcher runs, which cannot
-    build descriptors, bit for bit; DUALATTN_WS=1 allows it wherever descriptors work (the CPU
-    interpreter included, for tests)."""
-    flag = os.environ.get("DUALATTN_WS")
-    if flag == "0" or (flag != "1" and not (a["query"].is_cuda and _gpu(a["query"].device.index)[1] == 90)):
-        return False
-    return _descriptors(a)
+    query = a["query"]
+    arch = _gpu(query.device.index)[1] if query.is_cuda else None
+    return flash_plan.warp_specialize_requested(arch) and _descriptors(a)
 
 
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
@@ -277,6 +267,13 @@ def _(dout, out, lse, dlse, query, key, value, bias, attention_mask, q_segment_i
             torch.empty_like(softmax_aux) if softmax_aux is not None else query.new_empty((0,)))
 
 
+# The inputs autograd differentiates; the other tensors and the statics travel packed in two
+# tuples, because Function.apply's cost grows with its argument count (~16 us of host time for
+# the 30 flat arguments, measured on CPU).
+_GRAD_ARGS = ("query", "key", "value", "bias", "softmax_aux")
+_OTHER_TENSOR_ARGS = tuple(n for n in _TENSOR_ARGS if n not in _GRAD_ARGS)
+
+
 class _FlashAttention(torch.autograd.Function):
     """Autograd over the two custom ops (as flash-attn does).  Not flash_fwd.register_autograd:
     its generated forward re-binds all 30 schema arguments on every call (torch._library.utils.
@@ -288,15 +285,17 @@ class _FlashAttention(torch.autograd.Function):
     the forward resolved (sizes, options, config)."""
 
     @staticmethod
-    def forward(ctx, *args):
-        named = dict(zip(_TENSOR_ARGS + _STATIC_ARGS, args))
+    def forward(ctx, query, key, value, bias, softmax_aux, other_tensors: tuple, statics: tuple):
+        named = dict(zip(_OTHER_TENSOR_ARGS, other_tensors))
+        named.update(query=query, key=key, value=value, bias=bias, softmax_aux=softmax_aux)
+        named.update(zip(_STATIC_ARGS, statics))
         if torch.compiler.is_compiling():
-            out, lse = flash_fwd(*args)
+            out, lse = flash_fwd(*(named[n] for n in _TENSOR_ARGS), *statics)
             ctx.resolved = None
         else:
             out, lse, ctx.resolved = _forward(named)
         ctx.save_for_backward(out, lse, *(named[n] for n in _TENSOR_ARGS))
-        ctx.static = tuple(named[n] for n in _STATIC_ARGS)
+        ctx.static = statics
         # No zero-filled dlse when only out is used (an allocation, a memset and a load less).
         ctx.set_materialize_grads(False)
         return out, lse
@@ -306,7 +305,7 @@ class _FlashAttention(torch.autograd.Function):
         out, lse, *tensors = ctx.saved_tensors
         named = dict(zip(_TENSOR_ARGS, tensors))
         if dout is None and dlse is None:
-            return (None,) * (len(_TENSOR_ARGS) + len(_STATIC_ARGS))
+            return (None,) * 7
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         if torch.compiler.is_compiling():
@@ -318,10 +317,8 @@ class _FlashAttention(torch.autograd.Function):
             if override is not None:  # tiles pinned around the backward (the autotuner times them so)
                 resolved = resolved._replace(config=override)
             dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved)
-        grads = {"query": dq, "key": dk, "value": dv,
-                 "bias": dbias if named["bias"] is not None else None,
-                 "softmax_aux": dsinks if named["softmax_aux"] is not None else None}
-        return tuple(grads.get(n) for n in _TENSOR_ARGS) + (None,) * len(_STATIC_ARGS)
+        return (dq, dk, dv, dbias if named["bias"] is not None else None,
+                dsinks if named["softmax_aux"] is not None else None, None, None)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -399,14 +396,14 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         sparse_tensors = _sparse_tensors(sparse, query.device)
         block_q, block_k = sparse.block_q, sparse.block_k
         contiguous = int(sparse.kv_rows_contiguous) | 2 * int(sparse.q_rows_contiguous)  # bit flags
-    out, lse = _FlashAttention.apply(
-        query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
-        cu_seqlens_q, cu_seqlens_k, *sparse_tensors, *_positions(q_positions, kv_positions, shapes, query.device),
-        shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
-        _NONE if options.window_left is None else options.window_left,
-        _NONE if options.window_right is None else options.window_right,
-        options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
-        int(diag_shift), block_q, block_k, contiguous)
+    other_tensors = (attention_mask, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, *sparse_tensors,
+                     *_positions(q_positions, kv_positions, shapes, query.device))   # as _OTHER_TENSOR_ARGS
+    statics = (shapes.seqlen_q, shapes.seqlen_k, options.softmax_scale,
+               _NONE if options.window_left is None else options.window_left,
+               _NONE if options.window_right is None else options.window_right,
+               options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
+               int(diag_shift), block_q, block_k, contiguous)   # as _STATIC_ARGS
+    out, lse = _FlashAttention.apply(query, key, value, bias, softmax_aux, other_tensors, statics)
     return (out, lse) if return_lse else out
 
 

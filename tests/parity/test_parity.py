@@ -162,37 +162,97 @@ def test_jax_triton_traced_seed_vmap_and_varlen(rng):
     np.testing.assert_array_equal(np.asarray(jo), to.numpy())
 
 
-@pytest.mark.gpu
-def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch):
-    # The very same bits in both frameworks: torch tensors, handed to jax through DLPack.  Torch's
-    # warp-specialised forward on sm_90 needs TMA descriptors, which jax-triton cannot build: it is
-    # turned off here, so both run the same kernel variant (test_gpu_torch_ws_forward_close_to_jax).
-    monkeypatch.setenv("DUALATTN_WS", "0")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    b, s, h, d = 2, 4096, 8, 128
-    tq, tk, tv, tdo = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-                       for _ in range(4))
-    jq, jk, jv, jdo = (jax.dlpack.from_dlpack(t) for t in (tq, tk, tv, tdo))
-    for causal in (True, False):
-        leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
-        to = dt.flash_attention(*leaves, causal=causal)
-        tg = torch.autograd.grad(to, leaves, tdo)
-        jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton")),
-                          jq, jk, jv)
-        jg = vjp(jdo)
-        for name, a, t in zip(("out", "dq", "dk", "dv"), [jo, *jg], [to, *tg]):
-            same = torch.from_dlpack(a).view(torch.int16) == t.detach().view(torch.int16)
-            assert bool(same.all()), f"causal={causal} {name}: {int((~same).sum())} elements differ"
+@pytest.fixture
+def warp_specialize_everything(monkeypatch):
+    """DUALATTN_WS=1 with the speed rules off (plan.WS_MIN_KEY_WORK, split_band_pays): the
+    interpreter's small problems take the warp-specialised kernels and split every band."""
+    from dualattn.kernels.flash import plan as flash_plan
+    monkeypatch.setenv("DUALATTN_WS", "1")
+    for rule in ("WS_MIN_KEY_WORK", "WS_SPLIT_MIN_KEYS", "WS_SPLIT_MIN_HEAD_DIM"):
+        monkeypatch.setattr(flash_plan, rule, 0)
+    flash_plan.forget_plans()   # memoised under the other rules
+    yield flash_plan
+    flash_plan.forget_plans()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-split", "full"])
+def test_warp_specialized_kernels_bitwise_in_both_frameworks_interpreted(causal, warp_specialize_everything, rng):
+    """The descriptor kernels through JAX's launcher (DESC_SCRATCH output; a split band's edges
+    launch resumed from fresh buffers) give torch's bits, forward and backward (interpreter, fp16:
+    it mis-reads bf16 descriptor loads)."""
+    shapes, opts = (1, 256, 256, 2, 2, 128), dict(causal=causal)
+    plan = warp_specialize_everything
+    launches, real = [], plan.plan_forward
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plan, "plan_forward", lambda *a, **k: launches.append(real(*a, **k)) or launches[-1])
+        x, kw, dout = _inputs(rng, shapes, opts, dtype=np.float16)
+        t = _torch_run(x, kw, dout)
+        j = _jax_run(x, kw, dout, "triton")
+    assert launches and all(f.constexpr_dict["WARP_SPECIALIZE"] and (f.then is not None) == causal for f in launches)
+    for key in t:
+        np.testing.assert_array_equal(j[key], t[key], err_msg=f"{key}: torch and jax triton differ")
+    ref = numpy_reference_with_grads({n: a.astype(np.float64) for n, a in x.items()}, dout.astype(np.float64), **kw)
+    assert relative_error(t["out"], ref["out"]) < 2e-3
+
+
+def _gpu_inputs(seed, b, s, h, d):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+
+
+def _gpu_both(tensors, causal):
+    """(torch's, jax's) out, dq, dk, dv on the same device buffers (jax reads them through DLPack)."""
+    tq, tk, tv, tdo = tensors
+    leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+    to = dt.flash_attention(*leaves, causal=causal)
+    tg = torch.autograd.grad(to, leaves, tdo)
+    jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton")),
+                      *(jax.dlpack.from_dlpack(t) for t in (tq, tk, tv)))
+    jg = vjp(jax.dlpack.from_dlpack(tdo))
+    return [t.detach() for t in (to, *tg)], [torch.from_dlpack(a) for a in (jo, *jg)]
+
+
+def _default_plans(shapes_bshd, causal):
+    """(forward, dQ) launches the default plans give on sm_90 (both launchers ask the same)."""
+    import types
+
+    from dualattn.kernels.flash import plan as flash_plan
+    from dualattn.kernels.launch import row_major_strides
+    from dualattn.options import FlashOptions
+    from dualattn.validation import check_flash_args
+    x = types.SimpleNamespace(shape=shapes_bshd, dtype="bfloat16")
+    shapes = check_flash_args(x, x, x)
+    options = FlashOptions.build(head_dim=shapes.head_dim, causal=causal)
+    strides = {n: row_major_strides(shapes_bshd) for n in ("query", "key", "value", "out")}
+    config = flash_plan.default_config(shapes, interpret=False, arch=90, causal=causal)
+    fwd = flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True)
+    bwd = flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, lse_grad=True)
+    return fwd, bwd.dq
+
+
+# (B, S, H, D, causal, (forward warp-specialised, split band, dQ warp-specialised) by default on sm_90)
+GPU_CASES = [(2, 4096, 8, 128, False, (True, False, True)), (2, 4096, 8, 64, False, (True, False, False)),
+             (2, 2048, 8, 128, True, (False, False, True)), (1, 8192, 4, 128, True, (True, True, True))]
 
 
 @pytest.mark.gpu
-def test_gpu_torch_ws_forward_close_to_jax(monkeypatch):
-    """With its default warp-specialised forward (sm_90), torch agrees with JAX's portable kernel to
-    bf16 rounding: same maths, other tiles and order of the online softmax."""
-    monkeypatch.delenv("DUALATTN_WS", raising=False)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    tq, tk, tv = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    for causal in (True, False):
-        to = dt.flash_attention(tq, tk, tv, causal=causal)
-        jo = dj.flash_attention(*(jax.dlpack.from_dlpack(t) for t in (tq, tk, tv)), causal=causal, backend="triton")
-        assert_close_rel(to, torch.from_dlpack(jo), 1e-2, f"causal={causal} out")
+@pytest.mark.parametrize("ws", ["0", None], ids=["portable", "default"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"b{c[0]}-s{c[1]}-h{c[2]}-d{c[3]}-causal{int(c[4])}")
+def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, ws, case):
+    """The very same bits in both frameworks, on torch tensors handed to jax through DLPack: with
+    DUALATTN_WS=0 (portable kernels) and with the default flags, where on sm_90 both take the
+    warp-specialised kernels (JAX's descriptors in DESC_SCRATCH, jax_api/_scratch.py) and the
+    split causal band (JAX resumes the edges launch from fresh buffers, torch in place)."""
+    if ws is None:
+        monkeypatch.delenv("DUALATTN_WS", raising=False)
+    else:
+        monkeypatch.setenv("DUALATTN_WS", ws)
+    b, s, h, d, causal, expected = case
+    if ws is None and torch.cuda.get_device_capability()[0] == 9:
+        fwd, dq = _default_plans((b, s, h, d), causal)
+        got = (fwd.constexpr_dict["WARP_SPECIALIZE"], fwd.then is not None, dq.constexpr_dict["WARP_SPECIALIZE"])
+        assert got == expected
+    t, j = _gpu_both(_gpu_inputs(0, b, s, h, d), causal)
+    for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):
+        same = a.view(torch.int16) == ref.view(torch.int16)
+        assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"

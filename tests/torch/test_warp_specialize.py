@@ -120,6 +120,7 @@ BWD_CASES = {
                   (True, True)),
     "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
     "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
+    "d64-causal": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, opts=dict(causal=True)), (True, False)),
     # Bands run whole in the one loop, position-masked on every tile.
     "causal": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(causal=True)), (True, True)),
     # Bottom-right causal with more queries than keys: the first 128 rows see nothing.
@@ -213,6 +214,11 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
                                           sinks=True), (True, True)),
     "window-d128-cross": (dict(b=1, sq=2048, sk=4096, hq=4, hkv=4, d=128, opts=dict(sliding_window=(700, 300))),
                           (True, True)),
+    # D=64: only a banded dK/dV specialises (plan.WS_DKDV_BANDED_TILES).
+    "causal-d64": (dict(b=2, sq=4096, sk=4096, hq=4, hkv=4, d=64, opts=dict(causal=True)), (True, False)),
+    "window-d64-empty-rows": (dict(b=1, sq=4352, sk=4096, hq=2, hkv=2, d=64, opts=dict(sliding_window=(500, 0))),
+                              (True, False)),
+    "d64": (dict(b=1, sq=4096, sk=4096, hq=4, hkv=4, d=64, opts={}), (False, False)),
 }
 
 

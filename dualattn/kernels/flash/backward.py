@@ -7,7 +7,7 @@ natural-unit pre-cap scores z = qk * scale + bias and S = cap * tanh(z / cap):
     dsink_n = -sum_i exp(sink_n - lse_i) delta_i
 dK/dV programs own one key tile of one KV head and loop over the query heads of its GQA
 group, so no atomics are needed.  Tile ranges come from rules.band_range, as in forward.
-WARP_SPECIALIZE (Hopper, torch; plan.warp_specialized_backward): unmasked problems run each
+WARP_SPECIALIZE (Hopper; plan.warp_specialized_backward): unmasked problems run each
 kernel's loop warp-specialised, as the forward's, with every load and store through TMA.
 """
 import triton
@@ -184,7 +184,7 @@ def flash_bwd_dkdv_kernel(
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     dbias_stride_b, dbias_stride_h, dbias_stride_s,
-    DK, DV, DBIAS,
+    DK, DV, DBIAS, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -333,7 +333,7 @@ def flash_bwd_dq_kernel(
     seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dqb, stride_dqs, stride_dqh,
-    DQ,
+    DQ, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,

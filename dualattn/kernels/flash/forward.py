@@ -5,12 +5,12 @@ head and streams the key tiles that band_range says it can see: masked edge tile
 unmasked interior tiles go through the same inner loop, specialised by POSITIONAL.
 Layouts: element strides for (batch, seq, head); the head dimension is contiguous.
 Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
-WARP_SPECIALIZE (Hopper, torch; plan.warp_specialized_forward): one TMA loop that Triton splits
+WARP_SPECIALIZE (Hopper; plan.warp_specialized_forward): one TMA loop that Triton splits
 into a producer warp and consumer warpgroups, with TMA loads and stores.  It cannot hold masked
 tiles, so with SPLIT_BAND (causal, windows) the band runs in two launches of this kernel: the
 warp-specialised one over the unmasked interior of its SPLIT_BAND x SPLIT_BAND tiles, then a
 portable one, on its own smaller tiles, over the masked edges that resumes the online softmax from
-the O and lse the first stored.
+the O and lse the first stored (RESUME_O, RESUME_LSE; launch.Launch.then).
 """
 import triton
 import triton.language as tl
@@ -86,6 +86,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
 def flash_fwd_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
     SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
+    RESUME_O, RESUME_LSE,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
@@ -94,7 +95,7 @@ def flash_fwd_kernel(
     pos_stride_qb, pos_stride_kb,
     seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
-    O, LSE,
+    O, LSE, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -147,9 +148,11 @@ def flash_fwd_kernel(
 
     if SPLIT_BAND and not WARP_SPECIALIZE:
         # The edges launch: resume from the interior's normalised O and natural lse (sinks
-        # included there).  State m = lse in log2 units with l = 1 gives the same O and lse.
-        O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-        LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
+        # included there), laid out as O and LSE: the very same buffers from torch (in place),
+        # the interior launch's results from JAX.  State m = lse in log2 units with l = 1 gives
+        # the same O and lse.
+        O_HEAD = RESUME_O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+        LSE_HEAD = RESUME_LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
         lse0 = tl.load(LSE_HEAD + offs_m, mask=offs_m < seqlen_q, other=float("-inf"))
         seen = lse0 != float("-inf")
         m_i = tl.where(seen, lse0 * LOG2E, float("-inf"))

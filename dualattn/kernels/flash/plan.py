@@ -215,6 +215,23 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
     return scalars, constexprs
 
 
+def tma_requested() -> bool:
+    """Whether launchers ask for TMA tile loads in every kernel (the plan still checks each problem:
+    _use_tma).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they measured no faster
+    than pointer loads (benchmarks/NOTES.md step 13)."""
+    return os.environ.get("DUALATTN_TMA", "0") == "1"
+
+
+def warp_specialize_requested(arch: Optional[int]) -> bool:
+    """Whether launchers allow the warp-specialised kernels on sm_<arch> (None: the CPU interpreter;
+    warp_specialized_forward / _backward decide if a problem qualifies).  Default: on sm_90, where
+    they were tuned (NOTES steps 18-22).  DUALATTN_WS=0 turns them off (both frameworks then run
+    the portable kernels); DUALATTN_WS=1 allows them wherever descriptors work, the interpreter
+    included (tests)."""
+    flag = os.environ.get("DUALATTN_WS")
+    return flag == "1" or (flag != "0" and arch == 90)
+
+
 def _use_tma(requested: bool, shapes: FlashShapes, constexprs) -> bool:
     """TMA tile loads (rules.row_tiles) where the launcher asked for them and a descriptor is
     legal: 16-byte aligned rows and head offsets (every stride a multiple of 16 elements; the
@@ -226,6 +243,19 @@ def _use_tma(requested: bool, shapes: FlashShapes, constexprs) -> bool:
 
 def _with_constexpr(constexprs, name, value):
     return tuple((k, value if k == name else v) for k, v in constexprs)
+
+
+# Bytes of global scratch one program's tensor descriptors may take: 128 per descriptor.  Triton
+# 3.6 and 3.7 give the warp-specialised forward 896, dQ 1024, dK/dV 1280 and the portable TMA
+# kernels 256 (tests/jax/test_scratch.py checks each kernel against this bound).
+DESC_SCRATCH_BYTES = 2048
+
+
+def desc_scratch(grid: Tuple[int, int, int], descriptors: bool) -> Output:
+    """The DESC_SCRATCH output: where the programs' descriptors go when the launcher cannot
+    give Triton's global scratch (jax-triton; launch.Output.scratch)."""
+    programs = grid[0] * grid[1] * grid[2] if descriptors else 0
+    return Output("desc_scratch", (max(programs * DESC_SCRATCH_BYTES, 128),), "int8", scratch=True)
 
 
 def _lse_shape(shapes: FlashShapes):
@@ -337,7 +367,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     tiles are the layout's blocks.  `warp_specialize`: the launcher can build TMA descriptors on
     an sm_90 GPU and allows the warp-specialised variant, which eligible problems then take with
     WS_TILE in place of config.fwd; where split_band, the returned launch's `then` finishes the
-    masked edges.
+    masked edges, resuming from its out and lse (FWD_RESUME).
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
@@ -349,15 +379,17 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
 
     def launch(t: TileConfig, tma_loads: bool, warp_specialized: bool, then: Optional[Launch] = None) -> Launch:
+        grid = (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1)
         return Launch(
-            module="flash.forward", kernel="flash_fwd_kernel",
-            grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
-            inputs=FWD_INPUTS, scalars=scalars,
-            outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32")),
+            module="flash.forward", kernel="flash_fwd_kernel", grid=grid,
+            inputs=FWD_INPUTS + tuple(name for name, _ in FWD_RESUME), scalars=scalars,
+            outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
+                     desc_scratch(grid, tma_loads)),
             constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", tma_loads),
                                      ("WARP_SPECIALIZE", warp_specialized),
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0)),
-            num_warps=t.num_warps, num_stages=t.num_stages, then=then)
+            num_warps=t.num_warps, num_stages=t.num_stages, then=then,
+            resume=FWD_RESUME if split and not warp_specialized else ())
 
     if ws:
         return launch(WS_TILE, True, True, then=launch(WS_EDGES_TILE, False, False) if split else None)
@@ -367,13 +399,17 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
 
 
 BWD_KERNEL_INPUTS = FWD_INPUTS + ("dout", "lse", "delta")
+# What a SPLIT_BAND edges launch resumes from: the interior launch's out and lse.
+FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 
 # Warp-specialised backward tiles (4-warp loops, as the forward's), by padded head dim, from the
 # probe (benchmarks/experiments/ws_bwd_probe.py, NOTES step 20): the tile a program owns must be
 # 128 rows, which the pass splits over two consumer warpgroups (64-row ones ran both on the same
-# rows: half speed).  D=64 keeps the portable kernels: there the specialised dQ lost to the
-# portable one in the probe, and the specialised dK/dV, +15% in the probe, measured equal in ours.
+# rows: half speed).  D=64: the specialised dQ loses to the portable one (probe; and in ours by
+# 3-16%, NOTES step 23), and the specialised dK/dV gains only where a causal or window band
+# masks tiles, which cost the portable kernel more: +4-12% there, -4 to +5% unmasked (steps 20, 23).
 WS_DKDV_TILES = {128: TileConfig(64, 128, 4, 2)}
+WS_DKDV_BANDED_TILES = {**WS_DKDV_TILES, 64: TileConfig(64, 128, 4, 2)}
 WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
 
 
@@ -392,7 +428,8 @@ def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo],
             and shapes.seqlen_q * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK):
         return None, None
     width = max(const["BLOCK_D"], const["BLOCK_DV"])
-    return (WS_DKDV_TILES.get(width) if shapes.group_size == 1 else None), WS_DQ_TILES.get(width)
+    dkdv_tiles = WS_DKDV_BANDED_TILES if const["HAS_LEFT"] or const["HAS_RIGHT"] else WS_DKDV_TILES
+    return (dkdv_tiles.get(width) if shapes.group_size == 1 else None), WS_DQ_TILES.get(width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,15 +494,16 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = ws_dkdv or config.bwd_dkdv
+    grid = (cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1)
     dkdv = Launch(
-        module="flash.backward", kernel="flash_bwd_dkdv_kernel",
-        grid=(cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1),
+        module="flash.backward", kernel="flash_bwd_dkdv_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
         scalars=scalars + tuple(zip(("stride_dkb", "stride_dks", "stride_dkh"), grad_strides("dk", k_shape)))
         + tuple(zip(("stride_dvb", "stride_dvs", "stride_dvh"), grad_strides("dv", v_shape)))
         + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
-                 Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias)),
+                 Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias),
+                 desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
                                  ("WARP_SPECIALIZE", bool(ws_dkdv))),
         num_warps=t.num_warps, num_stages=t.num_stages)
@@ -473,12 +511,12 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     t = ws_dq or config.bwd_dq
+    grid = (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1)
     dq = Launch(
-        module="flash.backward", kernel="flash_bwd_dq_kernel",
-        grid=(cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1),
+        module="flash.backward", kernel="flash_bwd_dq_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
         scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape))),
-        outputs=(Output("dquery", q_shape, "like:query"),),
+        outputs=(Output("dquery", q_shape, "like:query"), desc_scratch(grid, use_tma or bool(ws_dq))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dq)),
                                  ("WARP_SPECIALIZE", bool(ws_dq))),
         num_warps=t.num_warps, num_stages=t.num_stages)

@@ -250,8 +250,8 @@ def row_tiles(HEAD, n_rows, stride_s, N_COLS: tl.constexpr, BLOCK_ROWS: tl.const
     or with TMA a tensor-memory-accelerator descriptor built in the kernel.  A descriptor
     zero-fills rows past n_rows and columns past N_COLS in hardware (no predicates), and the
     software pipeliner turns its loads into asynchronous bulk copies (Hopper and later).
-    Needs 16-byte-aligned base and row stride: the launch plan checks, and launchers that
-    cannot allocate Triton's global scratch (jax-triton) never ask for it."""
+    Needs 16-byte-aligned base and row stride: the launch plan checks.  The descriptor lives in
+    Triton's global scratch, which jax-triton's launches get from DESC_SCRATCH (jax_api/_scratch.py)."""
     if TMA:
         return tl.make_tensor_descriptor(HEAD, shape=[n_rows, N_COLS], strides=[stride_s, 1],
                                          block_shape=[BLOCK_ROWS, BLOCK_COLS])
