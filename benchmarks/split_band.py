@@ -41,6 +41,8 @@ def main(path=None):
             assert split.then is not None
             outs = _launch.run(split, a, outputs={"out": out})
             interior = dataclasses.replace(split, then=None)
+            # The edges launch resumes from its RESUME_* inputs (Launch.resume): here, in place.
+            a = {**a, **{name: outs[result] for name, result in split.then.resume}}
             runs = {"portable": lambda: _launch.run(portable, a, outputs=outs),
                     "interior": lambda: _launch.run(interior, a, outputs=outs),
                     "edges": lambda: _launch.run(split.then, a, outputs=outs),

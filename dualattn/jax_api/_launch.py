@@ -81,11 +81,11 @@ def _run_one(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Arra
     first = next(iter(arrays.values()))
     if _on_gpu(first):
         jt = _import_jax_triton()
-        if any(o.scratch for o in launch.outputs):
-            _scratch.register(jt, launch.kernel)
         kernel = _interpret.kernel(launch.module, launch.kernel, interpret=False)
         dummy = arrays[launch.inputs[0]] if launch.inputs[0] in arrays else first
         args = [arrays.get(name, dummy) for name in launch.inputs] + [_scalar(v) for _, v in launch.scalars]
+        if any(o.scratch for o in launch.outputs):
+            _scratch.register(jt, launch.kernel, _scratch.ptx_param_count(launch))
         zeroed = tuple(i for i, o in enumerate(launch.outputs) if o.zeroed)  # must be hashable
         outs = jt.triton_call(*args, kernel=kernel, out_shape=_types(launch.outputs, arrays), grid=launch.grid,
                               num_warps=launch.num_warps, num_stages=launch.num_stages,

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Set, Tuple
+from typing import Dict, Set, Tuple
 
-# Kernels whose last parameter is DESC_SCRATCH (registered by the launcher as it launches them).
-_SCRATCH_KERNELS: Set[str] = set()
+# Kernels whose last own parameter is DESC_SCRATCH, by name, with the PTX parameter counts their
+# launches compile to (registered by the launcher as it launches them): a kernel of another
+# library that shares a name but not a count is left alone.
+_SCRATCH_KERNELS: Dict[str, Set[int]] = {}
 _LOCK = threading.Lock()
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)")
@@ -37,6 +39,14 @@ def entry_params(ptx: str) -> Tuple[str, list]:
         raise ValueError("no .entry in the PTX")
     name = match.group(1)
     return name, re.findall(rf"\b{name}_param_\d+\b", match.group(2))
+
+
+def ptx_param_count(launch) -> int:
+    """The parameters of `launch`'s kernel as jax-triton compiles it: arrays, outputs and scalars,
+    less the scalars equal to 1 (jax-triton makes those constexprs), plus Triton's two scratch
+    pointers."""
+    ones = sum(1 for _, value in launch.scalars if value == 1)
+    return len(launch.inputs) + len(launch.scalars) - ones + len(launch.outputs) + 2
 
 
 def redirect_global_scratch(ptx: str) -> str:
@@ -76,18 +86,19 @@ class _KernelLibrary:
     def __getattr__(self, name):
         return getattr(self._library, name)
 
-    def TritonKernel(self, name, num_warps, num_ctas, shared_mem_bytes, ptx, ttir, compute_capability):  # noqa: N802
-        if name in _SCRATCH_KERNELS:
+    def TritonKernel(self, name, num_warps, num_ctas, shared_mem_bytes, ptx, *rest):  # noqa: N802
+        # jax-triton 0.3.1 passes (name, num_warps, num_ctas, shared_mem_bytes, ptx, ttir, compute_capability).
+        if len(entry_params(ptx)[1]) in _SCRATCH_KERNELS.get(name, ()):
             ptx = redirect_global_scratch(ptx)
             num_warps = launch_warps(ptx, num_warps)
-        return self._library.TritonKernel(name, num_warps, num_ctas, shared_mem_bytes, ptx, ttir,
-                                          compute_capability)
+        return self._library.TritonKernel(name, num_warps, num_ctas, shared_mem_bytes, ptx, *rest)
 
 
-def register(jax_triton, kernel_name: str) -> None:
-    """Fix `kernel_name`'s launches through jax-triton (idempotent)."""
+def register(jax_triton, kernel_name: str, n_params: int) -> None:
+    """Fix `kernel_name`'s launches through jax-triton whose PTX has `n_params` parameters: its own
+    (DESC_SCRATCH last) and Triton's two scratch pointers.  Idempotent."""
     with _LOCK:
-        _SCRATCH_KERNELS.add(kernel_name)
+        _SCRATCH_KERNELS.setdefault(kernel_name, set()).add(n_params)
         lib = jax_triton.triton_lib
         if not isinstance(lib.triton_kernel_call_lib, _KernelLibrary):
             lib.triton_kernel_call_lib = _KernelLibrary(lib.triton_kernel_call_lib)

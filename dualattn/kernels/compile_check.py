@@ -65,6 +65,8 @@ def _scalar(value, specialize: str, param):
                      and not param.do_not_specialize_on_alignment and value % 16 == 0)
         return ty, (_DIVISIBILITY_16 if divisible else None), None
     if isinstance(value, float):
+        if specialize == "jax" and value == 1:   # jax-triton compares every scalar with 1, floats too
+            return "constexpr", None, 1
         return "fp32", None, None  # the launchers pass float32 (jax: np.float32; torch: fp32)
     raise TypeError(f"unsupported scalar {value!r} of type {type(value).__name__}")
 
@@ -111,7 +113,8 @@ def signature_of(launch: Launch, dtypes: Dict[str, str], fn=None, *, specialize:
                          f"constexpr parameters {sorted(constexpr_params)}")
     positional = ([("*" + triton_type(dtypes.get(n, dummy)), None, None) for n in launch.inputs]
                   + [_scalar(v, specialize, fn.params[first_scalar + i]) for i, (_, v) in enumerate(launch.scalars)]
-                  + [("*" + triton_type(out_dtype(o.dtype)), None, None) for o in launch.outputs])
+                  + [("*" + triton_type(dummy if o.scratch and specialize == "torch" else out_dtype(o.dtype)),
+                      None, None) for o in launch.outputs])   # torch passes a dummy for scratch outputs
 
     signature, constexprs, attrs = {}, {}, {}
     for i, (ty, attr, const) in enumerate(positional):

@@ -40,7 +40,7 @@ def test_scratch_reads_move_to_desc_scratch(variant, kernel, tmp_path):
     ptx = compiled.asm["ptx"]
     assert 0 < compiled.metadata.global_scratch_size <= flash_plan.DESC_SCRATCH_BYTES
     name, params = _scratch.entry_params(ptx)
-    assert name == launch.kernel
+    assert name == launch.kernel and len(params) == _scratch.ptx_param_count(launch)   # what register() keys on
     desc, hidden = params[-3], params[-2]
     assert _reads(ptx, hidden) >= 1 and _reads(ptx, desc) == 0   # the kernel ignores DESC_SCRATCH
 
@@ -83,11 +83,14 @@ def test_register_fixes_only_registered_kernels():
     jax_triton = types.SimpleNamespace(triton_lib=types.SimpleNamespace(triton_kernel_call_lib=library))
     ptx = (".visible .entry mine(\n.param .u64 mine_param_0,\n.param .u64 mine_param_1,\n"
            ".param .u64 mine_param_2\n)\n.reqntid 384, 1, 1\n{\nld.param.u64 %rd1, [mine_param_1];\n}\n")
-    _scratch.register(jax_triton, "mine")
-    _scratch.register(jax_triton, "mine")   # idempotent: one wrapper
+    _scratch.register(jax_triton, "mine", 3)
+    _scratch.register(jax_triton, "mine", 3)   # idempotent: one wrapper
     wrapped = jax_triton.triton_lib.triton_kernel_call_lib
     assert wrapped.other is library.other and wrapped._library is library
     wrapped.TritonKernel("mine", 4, 1, 1000, ptx, "ttir", 90)
     wrapped.TritonKernel("theirs", 4, 1, 1000, ptx.replace("mine", "theirs"), "ttir", 90)
+    four = ptx.replace(".param .u64 mine_param_2\n", ".param .u64 mine_param_2,\n.param .u64 mine_param_3\n")
+    wrapped.TritonKernel("mine", 4, 1, 1000, four, "ttir", 90)   # same name, other parameter count
     assert made[0][1] == 12 and "[mine_param_0]" in made[0][4] and "[mine_param_1]" not in made[0][4]
     assert made[1] == ("theirs", 4, 1, 1000, ptx.replace("mine", "theirs"), "ttir", 90)
+    assert made[2] == ("mine", 4, 1, 1000, four, "ttir", 90)

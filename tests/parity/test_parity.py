@@ -177,18 +177,23 @@ def warp_specialize_everything(monkeypatch):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal-split", "full"])
 def test_warp_specialized_kernels_bitwise_in_both_frameworks_interpreted(causal, warp_specialize_everything, rng):
-    """The descriptor kernels through JAX's launcher (DESC_SCRATCH output; a split band's edges
-    launch resumed from fresh buffers) give torch's bits, forward and backward (interpreter, fp16:
-    it mis-reads bf16 descriptor loads)."""
+    """The warp-specialised kernels chained by JAX's launcher (a split band's edges launch resumed
+    from fresh buffers; torch resumes in place) give torch's bits, forward and backward
+    (interpreter, fp16: it mis-reads bf16 descriptor loads).  On CPU both run the interpreter,
+    which needs no global scratch: the DESC_SCRATCH fix is tested offline (tests/jax/test_scratch.py)
+    and on the GPU (below)."""
     shapes, opts = (1, 256, 256, 2, 2, 128), dict(causal=causal)
     plan = warp_specialize_everything
-    launches, real = [], plan.plan_forward
+    launches, backwards, real_fwd, real_bwd = [], [], plan.plan_forward, plan.plan_backward
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(plan, "plan_forward", lambda *a, **k: launches.append(real(*a, **k)) or launches[-1])
+        m.setattr(plan, "plan_forward", lambda *a, **k: launches.append(real_fwd(*a, **k)) or launches[-1])
+        m.setattr(plan, "plan_backward", lambda *a, **k: backwards.append(real_bwd(*a, **k)) or backwards[-1])
         x, kw, dout = _inputs(rng, shapes, opts, dtype=np.float16)
         t = _torch_run(x, kw, dout)
         j = _jax_run(x, kw, dout, "triton")
     assert launches and all(f.constexpr_dict["WARP_SPECIALIZE"] and (f.then is not None) == causal for f in launches)
+    assert len(backwards) == 2 and all(b.dkdv.constexpr_dict["WARP_SPECIALIZE"] and b.dq.constexpr_dict["WARP_SPECIALIZE"]
+                                       for b in backwards)
     for key in t:
         np.testing.assert_array_equal(j[key], t[key], err_msg=f"{key}: torch and jax triton differ")
     ref = numpy_reference_with_grads({n: a.astype(np.float64) for n, a in x.items()}, dout.astype(np.float64), **kw)

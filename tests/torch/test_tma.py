@@ -1,8 +1,7 @@
 """TMA tile loads (rules.row_tiles) against pointer loads: the same kernel, the same bits.
 
-The torch launcher asks for TMA with DUALATTN_TMA=1 (Hopper and the interpreter); jax-triton never
-does.  Both
-variants must give bit-identical outputs and gradients (only how tiles reach shared memory
+Both launchers ask for TMA with DUALATTN_TMA=1 (Hopper and the interpreter; plan.tma_requested).
+Both variants must give bit-identical outputs and gradients (only how tiles reach shared memory
 differs), including where TMA's hardware zero-fill replaces the pointer path's predicates:
 ragged sequence ends, head dims below the tile width, varlen sequences, GQA, block-sparse.
 """

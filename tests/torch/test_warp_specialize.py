@@ -1,4 +1,5 @@
-"""The warp-specialised forward (plan.warp_specialized_forward): torch's default on sm_90.
+"""The warp-specialised kernels (plan.warp_specialized_forward / _backward): the default on sm_90
+(both frameworks; JAX gives the same bits, tests/parity).
 
 One TMA loop over every unmasked key tile, TMA stores, WS_TILE in place of the configured
 forward tile; causal and window bands and a partial last key tile add a second, portable launch
@@ -121,6 +122,8 @@ BWD_CASES = {
     "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
     "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
     "d64-causal": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, opts=dict(causal=True)), (True, False)),
+    # Head dims padded to 64 take the D=64 tiles (plan.WS_DKDV_BANDED_TILES is keyed by padded width).
+    "d48-causal": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=48, opts=dict(causal=True)), (True, False)),
     # Bands run whole in the one loop, position-masked on every tile.
     "causal": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(causal=True)), (True, True)),
     # Bottom-right causal with more queries than keys: the first 128 rows see nothing.

@@ -7,8 +7,9 @@ natural-unit pre-cap scores z = qk * scale + bias and S = cap * tanh(z / cap):
     dsink_n = -sum_i exp(sink_n - lse_i) delta_i
 dK/dV programs own one key tile of one KV head and loop over the query heads of its GQA
 group, so no atomics are needed.  Tile ranges come from rules.band_range, as in forward.
-WARP_SPECIALIZE (Hopper; plan.warp_specialized_backward): unmasked problems run each
-kernel's loop warp-specialised, as the forward's, with every load and store through TMA.
+WARP_SPECIALIZE (Hopper; plan.warp_specialized_backward): each kernel's loop warp-specialised, as
+the forward's, with every load and store through TMA; a causal or window band runs whole in that
+one loop, position-masked on every tile (BAND_IN_LOOP).
 """
 import triton
 import triton.language as tl
