@@ -438,7 +438,7 @@ def _jit_signature(launch, dtypes, arch=90):
 
     out_dtype = lambda spec: dtypes.get(spec[5:], dummy) if spec.startswith("like:") else spec
     args = ([ptr(dtypes.get(n, dummy)) for n in launch.inputs] + [v for _, v in launch.scalars]
-            + [ptr(out_dtype(o.dtype)) for o in launch.outputs])
+            + [ptr(dummy if o.scratch else out_dtype(o.dtype)) for o in launch.outputs])   # torch: a dummy
     kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
     bound, spec, options = binder(*args, **kwargs)
     _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
