@@ -218,20 +218,12 @@ def _gpu_both(tensors, causal):
 
 
 def _default_plans(shapes_bshd, causal):
-    """(forward, dQ) launches the default plans give on sm_90 (both launchers ask the same)."""
-    import types
-
-    from dualattn.kernels.flash import plan as flash_plan
-    from dualattn.kernels.launch import row_major_strides
-    from dualattn.options import FlashOptions
-    from dualattn.validation import check_flash_args
-    x = types.SimpleNamespace(shape=shapes_bshd, dtype="bfloat16")
-    shapes = check_flash_args(x, x, x)
-    options = FlashOptions.build(head_dim=shapes.head_dim, causal=causal)
-    strides = {n: row_major_strides(shapes_bshd) for n in ("query", "key", "value", "out")}
-    config = flash_plan.default_config(shapes, interpret=False, arch=90, causal=causal)
-    fwd = flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True)
-    bwd = flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, lse_grad=True)
+    """(forward, dQ) launches the default plans give on sm_90 (both launchers ask the same), built as
+    the offline compile tests build them."""
+    import test_compile   # tests/ is on sys.path (its conftest)
+    b, s, h, d = shapes_bshd
+    fwd, bwd, _ = test_compile.Variant("default", batch=b, sq=s, sk=s, hq=h, hkv=h, d=d, causal=causal,
+                                       lse_grad=True, ws=True).build(90)
     return fwd, bwd.dq
 
 
