@@ -60,6 +60,7 @@ def breakdown(q, k, v):
     first = a[launch.inputs[0]]
     largs = [a.get(n) if a.get(n) is not None else first for n in launch.inputs]
     largs += [value for _, value in launch.scalars] + [out, torch.empty(flash_plan._lse_shape(shapes), device="cuda")]
+    largs += [first for o in launch.outputs if o.scratch]   # as _launch.run passes them
     stream = _launch._driver().get_current_stream(0)
     g = launch.grid
     hooks = triton.knobs.runtime

@@ -143,6 +143,10 @@ FAST = (
     Variant("fp16-d128-decode-mqa-causal-dlse", dtype="float16", sq=1, sk=100, hq=4, hkv=1, causal=True,
             lse_grad=True),
     Variant("bf16-d128-blocksparse128-causal", sq=256, sk=256, causal=True, sparse=(128, 128)),
+    # Bands wider than plan.EDGES_IN_LOOP_MAX_KEYS: masked edges in loops of their own (the rest, in the loop).
+    Variant("bf16-d128-causal-wideband", sq=4096, sk=4096, causal=True),
+    Variant("fp16-d64-gqa-leftwindow-softcap-bcastbias-wideband", dtype="float16", d=64, hq=4, hkv=2, sq=4096, sk=4096,
+            window=(3000, 0), softcap=30.0, bias="bcast"),
 )
 
 # ---- slow tier: each option alone (bf16, D=128), and each (dtype, head dims) with no option ----
@@ -226,6 +230,29 @@ def test_hopper_forward_uses_wgmma():
     assert "wgmma.mma_async" in ptx, "sm_90 bf16 forward fell back to mma.sync"
 
 
+def test_edges_in_loop_rule(monkeypatch):
+    """The portable kernels run a causal or window band's masked edges in their one loop up to
+    plan.EDGES_IN_LOOP_MAX_KEYS keys of band; not with per-element masks or block-sparse lists; never in
+    warp-specialised launches."""
+    monkeypatch.delenv("DUALATTN_EDGES_IN_LOOP", raising=False)
+    for v, expected in ((Variant("causal-2048", causal=True, sq=2048, sk=2048), True),
+                        (Variant("causal-4096", causal=True, sq=4096, sk=4096), False),
+                        (Variant("no-band", sq=1024, sk=1024), False),
+                        (Variant("narrow-window-long", window=(1000, 0), sq=16384, sk=16384), True),
+                        (Variant("segments", segments=True, causal=True), False),
+                        (Variant("mask", mask="full", causal=True), False),
+                        (Variant("blocksparse", sq=256, sk=256, causal=True, sparse=(128, 128)), False)):
+        for kernel in ("fwd", "dkdv", "dq"):
+            assert v.launch(kernel, 90)[0].constexpr_dict["EDGES_IN_LOOP"] == expected, (v.name, kernel)
+    for kernel in ("fwd", "dkdv", "dq"):
+        launch = Variant("ws-causal", causal=True, sq=2048, sk=2048, ws=True).launch(kernel, 90)[0]
+        assert launch.constexpr_dict["WARP_SPECIALIZE"] == (kernel != "fwd"), kernel   # fwd: split does not pay
+        assert launch.constexpr_dict["EDGES_IN_LOOP"] == (kernel == "fwd"), kernel
+    split = Variant("ws-split", causal=True, sq=2048, sk=8192, ws=True).launch("fwd", 90)[0]
+    assert split.then is not None and not split.constexpr_dict["EDGES_IN_LOOP"]
+    assert not split.then.constexpr_dict["EDGES_IN_LOOP"]
+
+
 # TMA tile loads: what the launchers compile on Hopper with DUALATTN_TMA=1 (sm_90 only).
 TMA_FAST = (
     Variant("tma-bf16-d128-causal", causal=True, tma=True),
@@ -300,10 +327,15 @@ def test_plan_keeps_the_portable_backward_where_one_loop_cannot_do():
     assert d64_causal.launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
     assert not d64_causal.launch("dq", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
     for v in (Variant("ragged-q", sq=4000, sk=4096, ws=True),
-              Variant("ragged-k", sq=4096, sk=4000, ws=True), Variant("few-queries", sq=1024, sk=4096, ws=True),
+              Variant("ragged-k", sq=4096, sk=4000, ws=True), Variant("few-queries", sq=512, sk=4096, ws=True),
+              Variant("d64-causal-2048", d=64, causal=True, sq=2048, sk=2048, ws=True),
               Variant("gqa", hq=4, hkv=2, **long), Variant("dropout", dropout=0.1, **long),
               Variant("d64", d=64, **long), Variant("not-asked", sq=4096, sk=4096)):
         assert not v.launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"], v.name
+    # D=128 from S=1024 (plan.WS_BWD_MIN_WORK), below the forward's WS_MIN_KEY_WORK.
+    short = Variant("d128-1024", sq=1024, sk=1024, ws=True)
+    assert [short.launch(k, 90)[0].constexpr_dict["WARP_SPECIALIZE"] for k in ("fwd", "dkdv", "dq")] == [
+        False, True, True]
     # GQA: dQ has no group loop, so it still qualifies.
     assert Variant("gqa", hq=4, hkv=2, **long).launch("dq", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
 

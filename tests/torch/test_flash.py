@@ -221,6 +221,57 @@ def test_flash_vs_reference(name, dtype, torch_gen):
     check_against_reference(q, k, v, tens, dict(c.opts), torch_gen, tol_out=TOL_OUT[dtype], tol_grad=TOL_GRAD[dtype])
 
 
+# The portable kernels run a causal or window band's masked edge tiles either inside their one loop,
+# behind a branch (plan.edges_in_loop: every band these small problems have), or in loops of their own
+# (bands wider than plan.EDGES_IN_LOOP_MAX_KEYS keys): both layouts, forward and backward, each checked
+# to have run.
+EDGE_CASES = {name: CASES[name] for name in ("causal", "causal_sq_lt_sk", "causal_sq_gt_sk", "window_asym",
+                                              "window_left_only", "window_right_only_flashattn_minus1",
+                                              "causal_window_gqa", "sinks_causal_gqa", "hd80", "long_k_multi_block")}
+EDGE_CASES["causal_bias_softcap"] = Case(Sq=70, Sk=90, opts=dict(causal=True, logits_soft_cap=3.0), tensors=_bias(FULL))
+
+
+@pytest.fixture
+def edge_layout_flags(monkeypatch):
+    """edge_layout_flags(in_loop) -> the EDGES_IN_LOOP flags of every forward, dK/dV and dQ launch
+    planned from then on, with the rule set to put every band's edges in the loop or in their own."""
+    from dualattn.kernels.flash import plan as flash_plan
+
+    def use(in_loop: bool) -> list:
+        monkeypatch.delenv("DUALATTN_EDGES_IN_LOOP", raising=False)
+        monkeypatch.setattr(flash_plan, "EDGES_IN_LOOP_MAX_KEYS", 1 << 30 if in_loop else 0)
+        flags, real_fwd, real_bwd = [], flash_plan.plan_forward, flash_plan.plan_backward
+
+        def fwd(*args, **kwargs):
+            launch = real_fwd(*args, **kwargs)
+            flags.append(launch.constexpr_dict["EDGES_IN_LOOP"])
+            return launch
+
+        def bwd(*args, **kwargs):
+            plan = real_bwd(*args, **kwargs)
+            flags.extend((plan.dkdv.constexpr_dict["EDGES_IN_LOOP"], plan.dq.constexpr_dict["EDGES_IN_LOOP"]))
+            return plan
+
+        monkeypatch.setattr(flash_plan, "plan_forward", fwd)
+        monkeypatch.setattr(flash_plan, "plan_backward", bwd)
+        flash_plan.forget_plans()   # memoised under the other rule
+        return flags
+    yield use
+    from dualattn.kernels.flash import plan as flash_plan
+    flash_plan.forget_plans()
+
+
+@pytest.mark.parametrize("in_loop", [True, False], ids=["edges-in-loop", "edge-loops"])
+@pytest.mark.parametrize("name", sorted(EDGE_CASES))
+def test_band_edge_layouts_vs_reference(name, in_loop, edge_layout_flags, torch_gen):
+    c = EDGE_CASES[name]
+    flags = edge_layout_flags(in_loop)
+    q, k, v, tens = build_inputs(torch_gen, c, torch.float32)
+    check_against_reference(q, k, v, tens, dict(c.opts), torch_gen, tol_out=TOL_OUT[torch.float32],
+                            tol_grad=TOL_GRAD[torch.float32])
+    assert len(flags) == 3 and all(f == in_loop for f in flags), flags
+
+
 # The lse output is differentiable: d lse_i / d s_ij = P_ij (cases without fully masked rows, whose
 # -inf lse has no derivative in the reference).
 LSE_CASES = ["causal_window_gqa", "causal_sq_lt_sk", "sinks_causal_gqa", "softcap", "bias_bcast_1_h",

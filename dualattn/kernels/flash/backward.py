@@ -9,15 +9,15 @@ dK/dV programs own one key tile of one KV head and loop over the query heads of 
 group, so no atomics are needed.  Tile ranges come from rules.band_range, as in forward.
 WARP_SPECIALIZE (Hopper; plan.warp_specialized_backward): each kernel's loop warp-specialised, as
 the forward's, with every load and store through TMA; a causal or window band runs whole in that
-one loop, position-masked on every tile (BAND_IN_LOOP).
+one loop, position-masked on every tile (BAND_IN_LOOP).  EDGES_IN_LOOP: as forward.py's.
 """
 import triton
 import triton.language as tl
 
 from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
                     dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_stats,
-                    load_tile, logits, loop_segment, own_tile_frame, program_tile, query_range, reduce_sum, row_stats,
-                    row_tiles, rows_cols, sequence_bounds, tile_mask, tile_start)
+                    load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile, query_range,
+                    reduce_sum, row_stats, row_tiles, rows_cols, sequence_bounds, tile_mask, tile_start)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
@@ -72,10 +72,11 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
                    sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-                   IN_BOUNDS: tl.constexpr):
+                   IN_BOUNDS: tl.constexpr, edge, EDGES_IN_LOOP: tl.constexpr):
     """Recompute probabilities and the soft-cap derivative 1 - tanh^2 from the raw q.k tile.
 
     The tile is [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (key-major) when TRANSPOSED.
+    EDGES_IN_LOOP: position-masked iff `edge` (rules.mask_band_edge).
     """
     bias = 0.0
     if HAS_BIAS:
@@ -85,7 +86,10 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
     if HAS_SOFTCAP:
         t = s * (LN2 / softcap)  # tanh(z / cap), read back from the capped score
         cap_grad = 1.0 - t * t
-    if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
+    if EDGES_IN_LOOP:
+        s = mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT, TRANSPOSED)
+    elif POSITIONAL or HAS_SEGMENTS or HAS_MASK:
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
                        POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, TRANSPOSED, HAS_POSITIONS, IN_BOUNDS)
@@ -103,7 +107,8 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
                  dropout_threshold, dropout_scale, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr, IN_BOUNDS: tl.constexpr):
+                 TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr, IN_BOUNDS: tl.constexpr,
+                 edge, EDGES_IN_LOOP: tl.constexpr):
     """One tile's probabilities P (as dropout keeps them, for dV), dP and the soft-cap factor.
 
     Query-major [BLOCK_M, BLOCK_N] from x, dx = q, dO and y, dy = k, v (dQ); key-major
@@ -114,7 +119,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
                                  q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW, bias_stride_s, mask_stride_s,
                                  seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap, POSITIONAL,
                                  HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, TRANSPOSED,
-                                 HAS_POSITIONS, IN_BOUNDS)
+                                 HAS_POSITIONS, IN_BOUNDS, edge, EDGES_IN_LOOP)
     dp = tl.dot(dx, tl.trans(dy), input_precision=DOT_PRECISION)
     p_dropped = p
     if HAS_DROPOUT:
@@ -125,7 +130,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_head,
+def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BLOCK_LIST, batch_head,
                 Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS_ROW, DBIAS_ROW,
                 stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
@@ -136,7 +141,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
                 SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr):
+                WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
     # the dV and dK products consume, with no register transposes.  [lo, hi) are query
     # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
@@ -160,7 +165,8 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, BLOCK_LIST, batch_he
             k, q, v, do, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
             dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
-            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS, WARP_SPECIALIZE)  # (plan: tiles inside)
+            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS, WARP_SPECIALIZE,  # (plan: tiles inside)
+            ((start_m < full_lo) | (start_m >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dz_t = p_t * (dp_t - delta[None, :]) * cap_grad  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
@@ -192,7 +198,7 @@ def flash_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
 ):
     # Key tiles busiest-first, as ordered for the group's first query head.  Dense: causal
     # key tiles see fewer queries the later they are; with only a left window bound the last
@@ -258,18 +264,18 @@ def flash_bwd_dkdv_kernel(
         for segment in tl.static_range(3):
             # Warp-specialised: one loop over the whole band (every tile inside the sequences:
             # plan's rule), position-masked on every tile when the band has edges.
-            if segment == 1 or not WARP_SPECIALIZE:
-                lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
+            if segment == 1 or not (WARP_SPECIALIZE or EDGES_IN_LOOP):
+                lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE or EDGES_IN_LOOP)
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, k_seg, k_pos, mask_offs_n, lo, hi, BLOCK_LIST, batch_head,
+                    dk, dv, k, v, k_seg, k_pos, mask_offs_n, lo, hi, full_start, full_end, BLOCK_LIST, batch_head,
                     Q_TILES, DO_TILES, LSE_HEAD, DELTA_HEAD, BIAS_ROW, MASK_ROW, QSEG_ROW, QPOS + b64 * pos_stride_qb,
                     DBIAS_ROW,
                     stride_qs, stride_os, bias_stride_s, mask_stride_s, dbias_stride_s,
                     seqlen_q, mask_seqlen_k, mask_diag, window_left, window_right, sm_scale, softcap,
                     dropout_seed, dropout_threshold, dropout_scale,
-                    segment != 1 or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                    BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
+                    BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
     dk = dk * sm_scale
     dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
     dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh
@@ -286,7 +292,7 @@ def flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo, full_hi, BLOCK_LIST,
               K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
               stride_ks, stride_vs, bias_stride_s, mask_stride_s,
               seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
@@ -297,7 +303,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLO
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr):
+              WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
@@ -314,7 +320,8 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, BLO
             q, k, do, v, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
             dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
-            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS, WARP_SPECIALIZE)  # (plan: tiles inside)
+            HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS, WARP_SPECIALIZE,  # (plan: tiles inside)
+            ((start_n < full_lo) | (start_n >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP)
         dz = p * (dp - delta[:, None]) * cap_grad
         dq = tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -341,7 +348,7 @@ def flash_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -397,16 +404,18 @@ def flash_bwd_dq_kernel(
         window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
     mask_offs_m, mask_seqlen_q, mask_diag = own_tile_frame(m0, offs_m, seqlen_q, diag, BLOCK_M, False, BAND_IN_LOOP)
     for segment in tl.static_range(3):
-        if segment == 1 or not WARP_SPECIALIZE:
-            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE)
-            dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, mask_offs_m, lo, hi, BLOCK_LIST,
+        if segment == 1 or not (WARP_SPECIALIZE or EDGES_IN_LOOP):
+            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE or EDGES_IN_LOOP)
+            dq = _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, mask_offs_m, lo, hi, full_start, full_end,
+                           BLOCK_LIST,
                            K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                            stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                            mask_seqlen_q, seqlen_k, mask_diag, window_left, window_right, sm_scale, softcap,
                            dropout_threshold, dropout_scale,
-                           segment != 1 or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                           BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
+                           segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                           BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT,
+                           DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE,
+                           EDGES_IN_LOOP)
     dq = dq * sm_scale
     dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh
     if WARP_SPECIALIZE:

@@ -11,17 +11,19 @@ tiles, so with SPLIT_BAND (causal, windows) the band runs in two launches of thi
 warp-specialised one over the unmasked interior of its SPLIT_BAND x SPLIT_BAND tiles, then a
 portable one, on its own smaller tiles, over the masked edges that resumes the online softmax from
 the O and lse the first stored (RESUME_O, RESUME_LSE; launch.Launch.then).
+EDGES_IN_LOOP (portable; plan.edges_in_loop, short bands): the masked edge tiles run in the one
+loop, masked behind a branch, instead of in loops of their own (rules.mask_band_edge).
 """
 import triton
 import triton.language as tl
 
 from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids,
-                    load_rows, load_tile, logits, loop_segment, program_tile, reduce_max, reduce_sum, row_stats, row_tiles,
-                    sequence_bounds, tile_mask, tile_start)
+                    load_rows, load_tile, logits, loop_segment, mask_band_edge, program_tile, reduce_max, reduce_sum,
+                    row_stats, row_tiles, sequence_bounds, tile_mask, tile_start)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo, full_hi, BLOCK_LIST,
                K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                seqlen_q, seqlen_k, diag, window_left, window_right,
@@ -32,9 +34,10 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
                SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
-               WARP_SPECIALIZE: tl.constexpr):
+               WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr):
     # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
-    # BLOCK_LIST, the active key blocks of this query block.
+    # BLOCK_LIST, the active key blocks of this query block.  EDGES_IN_LOOP: [lo, hi) is the
+    # whole band and only tiles outside [full_lo, full_hi) take the position mask, in a branch.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
@@ -45,7 +48,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
         k = load_rows(K_TILES, start_n, offs_n, stride_ks, seqlen_k, offs_d, HEAD_DIM, POSITIONAL,
                       BLOCK_D != HEAD_DIM, TMA)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        if HAS_BIAS or HAS_SOFTCAP or POSITIONAL:
+        if HAS_BIAS or HAS_SOFTCAP or (POSITIONAL and not EDGES_IN_LOOP):
             bias = 0.0
             if HAS_BIAS:
                 bias = load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, False)
@@ -60,7 +63,10 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_L
             s_scale = sm_scale * LOG2E
         k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
         k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
-        if POSITIONAL or HAS_SEGMENTS or HAS_MASK:
+        if EDGES_IN_LOOP:
+            s = mask_band_edge(s, (start_n < full_lo) | (start_n >= full_hi), offs_m, offs_n, seqlen_q, seqlen_k,
+                               diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, False)
+        elif POSITIONAL or HAS_SEGMENTS or HAS_MASK:
             ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                            q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
                            POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, False, HAS_POSITIONS)
@@ -103,6 +109,7 @@ def flash_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_BAND: tl.constexpr,
+    EDGES_IN_LOOP: tl.constexpr,
 ):
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
@@ -187,18 +194,21 @@ def flash_fwd_kernel(
     for segment in tl.static_range(3):
         # Warp-specialised (Hopper, TMA; plan.warp_specialized_forward): Triton 3.6 specialises
         # a kernel's only loop, so only segment 1 compiles: the whole band, or with SPLIT_BAND the
-        # unmasked interior (the edges launch then runs segments 0 and 2).
-        if (segment == 1) == WARP_SPECIALIZE or not (WARP_SPECIALIZE or SPLIT_BAND):
-            lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE and not SPLIT_BAND)
+        # unmasked interior (the edges launch then runs segments 0 and 2).  EDGES_IN_LOOP: segment
+        # 1 alone, over the whole band.
+        if ((segment == 1) == WARP_SPECIALIZE or not (WARP_SPECIALIZE or SPLIT_BAND)) and (
+                segment == 1 or not EDGES_IN_LOOP):
+            lo, hi = loop_segment(segment, start, full_start, full_end, end,
+                                  (WARP_SPECIALIZE and not SPLIT_BAND) or EDGES_IN_LOOP)
             acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, BLOCK_LIST,
+                acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_start, full_end, BLOCK_LIST,
                 K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                 stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                 seqlen_q, seqlen_k, diag, window_left, window_right,
                 sm_scale, softcap, dropout_threshold, dropout_scale,
-                segment != 1, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                segment != 1 or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE)
+                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
 
     # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
     empty = l_i == 0.0

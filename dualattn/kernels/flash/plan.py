@@ -86,8 +86,16 @@ def _tuned_table(path: Optional[str]) -> Dict[str, Tuple[Tuple[int, int, int, in
     return table
 
 
-def tuned_key(arch: int, head_dim: int, causal: bool) -> str:
-    return f"sm{arch}:d{next_pow2(head_dim)}:{'causal' if causal else 'full'}"
+# Short sequences get their own rows where tuned ("...:s1024", "...:s2048": the longer of Sq and Sk
+# up to that bound), since fewer key tiles per program change which tile wins.
+SHORT_SEQ_BUCKETS = (1024, 2048)
+
+
+def tuned_key(arch: int, head_dim: int, causal: bool, seqlen: Optional[int] = None) -> str:
+    """The TUNED key; with `seqlen` (the longer of Sq and Sk) its short-sequence bucket, if any."""
+    key = f"sm{arch}:d{next_pow2(head_dim)}:{'causal' if causal else 'full'}"
+    bucket = next((b for b in SHORT_SEQ_BUCKETS if seqlen is not None and seqlen <= b), None)
+    return key if bucket is None else f"{key}:s{bucket}"
 
 
 def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, causal: bool = False) -> FlashConfig:
@@ -97,7 +105,9 @@ def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, caus
         # The interpreter pays per tile op, not per element: big tiles, no pipelining.
         t = TileConfig(64, 64, 4, 1)
         return FlashConfig(t, t, t)
-    tuned = _tuned_table(os.environ.get(TUNED_FILE_ENV)).get(tuned_key(arch, d, causal))
+    table = _tuned_table(os.environ.get(TUNED_FILE_ENV))
+    tuned = table.get(tuned_key(arch, d, causal, max(shapes.seqlen_q, shapes.seqlen_k)),
+                      table.get(tuned_key(arch, d, causal)))
     if shapes.dtype == "float32" and d > 64:
         # fp32 tiles take twice the shared memory (and 3xTF32 more): sized with
         # dualattn.kernels.compile_check to fit sm_80 (163 KB) and sm_90 (227 KB).
@@ -308,15 +318,21 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
     no branch in its body over every unmasked key tile of the band (split_band says whether the
     masked edges then need a second launch, split_band_pays whether that is worth it).
 
-    Ruled out: per-element options -- bias, mask, segments, soft cap, dropout, explicit positions,
-    block-sparse lists -- and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed:
-    at least one full query tile, 16-byte-aligned lse rows (its stores are TMA too), and enough
-    work per program to repay building five descriptors, Sk * D >= WS_MIN_KEY_WORK (in the
-    session-6 sweep, against the same kernel without it: D=64 lost 18% at S=1024 and 5% at
-    S=2048, won 4-7% from S=4096; D=128 won 6% at S=2048 and 4% at S=1024, left out as noise)."""
+    What _warp_specializable needs, and enough work per program to repay building five
+    descriptors, Sk * D >= WS_MIN_KEY_WORK (in the session-6 sweep, against the same kernel
+    without it: D=64 lost 18% at S=1024 and 5% at S=2048, won 4-7% from S=4096; D=128 won 6% at
+    S=2048 and 4% at S=1024, left out as noise)."""
+    return (_warp_specializable(shapes, sparse, constexprs)
+            and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK)
+
+
+def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
+    """What every warp-specialised kernel needs.  Ruled out: per-element options -- bias, mask,
+    segments, soft cap, dropout, explicit positions, block-sparse lists -- and packed keys; 32-bit
+    inputs; TMA-illegal strides or widths.  Needed: at least one full query tile and
+    16-byte-aligned lse rows (lse goes through TMA too)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
-            and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
             and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs)
             and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_SOFTCAP", "HAS_DROPOUT",
@@ -341,12 +357,18 @@ WS_SPLIT_MIN_KEYS = 8192        # keys the last query row of a tile can see
 WS_SPLIT_MIN_HEAD_DIM = 128     # padded head dim (BLOCK_D / BLOCK_DV)
 
 
+def band_keys(shapes: FlashShapes, options: FlashOptions, constexprs) -> int:
+    """The most keys one query row can see (or queries one key: the band is as wide both ways)."""
+    const = dict(constexprs)
+    longest = max(shapes.seqlen_q, shapes.seqlen_k)
+    return min(longest, (options.window_left if const["HAS_LEFT"] else longest)
+               + (options.window_right if const["HAS_RIGHT"] else longest) + 1)
+
+
 def split_band_pays(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
     const = dict(constexprs)
-    last_row_keys = min(shapes.seqlen_k, (options.window_left if const["HAS_LEFT"] else shapes.seqlen_k)
-                        + (options.window_right if const["HAS_RIGHT"] else shapes.seqlen_k) + 1)
     return (max(const["BLOCK_D"], const["BLOCK_DV"]) >= WS_SPLIT_MIN_HEAD_DIM
-            and last_row_keys >= WS_SPLIT_MIN_KEYS)
+            and min(shapes.seqlen_k, band_keys(shapes, options, constexprs)) >= WS_SPLIT_MIN_KEYS)
 
 
 # The edges launch of a split band: one or a few masked tiles per program.  It is bound by reading
@@ -354,6 +376,27 @@ def split_band_pays(shapes: FlashShapes, options: FlashOptions, constexprs) -> b
 # 0.180 ms per 16k tokens at D=128; NOTES step 19).  The band's interior is cut by WS_TILE
 # (square) whatever this tile is.
 WS_EDGES_TILE = TileConfig(64, 64, 4, 2)
+
+
+# A causal or window band's masked edge tiles inside the portable kernels' one loop, behind a
+# branch (EDGES_IN_LOOP), instead of in loops of their own: saves each program the edge loops'
+# pipeline fill and drain, costs every tile bounds-checked loads and the test.  Kernel times (CUDA
+# graphs, NOTES step 24), causal forward / fwd+bwd: +14% / +7% at D=128 S=1024, +6% / +1.5% at 2048,
+# D=64 +11% / +10% and +4% / +6.5%; at S=4096 within +-1%, at D=64 S=8192 -1.5% / -2%.  Without a
+# band (nothing to save) the D=64 backward lost 4-7%.
+EDGES_IN_LOOP_MAX_KEYS = 2048
+
+
+def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], constexprs) -> bool:
+    """Whether the portable kernels run their band's masked edges in the one loop (EDGES_IN_LOOP):
+    causal or window bands of at most EDGES_IN_LOOP_MAX_KEYS keys.  Not with per-element masks
+    (segments, a mask, explicit positions), which mask every tile, nor block-sparse lists.
+    DUALATTN_EDGES_IN_LOOP=0 / 1 turns it off / on for every band (A/B runs)."""
+    const = dict(constexprs)
+    flag = os.environ.get("DUALATTN_EDGES_IN_LOOP")
+    return (flag != "0" and sparse is None and (const["HAS_LEFT"] or const["HAS_RIGHT"])
+            and not any(const[f] for f in ("HAS_MASK", "HAS_SEGMENTS", "HAS_POSITIONS"))
+            and (flag == "1" or band_keys(shapes, options, constexprs) <= EDGES_IN_LOOP_MAX_KEYS))
 
 
 @_memoised
@@ -387,7 +430,9 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
                      desc_scratch(grid, tma_loads)),
             constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", tma_loads),
                                      ("WARP_SPECIALIZE", warp_specialized),
-                                     ("SPLIT_BAND", WS_TILE.block_m if split else 0)),
+                                     ("SPLIT_BAND", WS_TILE.block_m if split else 0),
+                                     ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(shapes, options, sparse,
+                                                                                            constexprs))),
             num_warps=t.num_warps, num_stages=t.num_stages, then=then,
             resume=FWD_RESUME if split and not warp_specialized else ())
 
@@ -411,23 +456,29 @@ FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 WS_DKDV_TILES = {128: TileConfig(64, 128, 4, 2)}
 WS_DKDV_BANDED_TILES = {**WS_DKDV_TILES, 64: TileConfig(64, 128, 4, 2)}
 WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
+# The least Sq * D and Sk * D (D: the larger head dim) for which the specialised backward pays, by
+# padded head dim; other widths WS_MIN_KEY_WORK.  Kernel times (CUDA graphs, NOTES step 24) with the
+# rule off at S=1024: D=128 non-causal backward +9%, causal -1%; D=64's banded dK/dV -10% (and -3%
+# at S=2048, inside WS_MIN_KEY_WORK).
+WS_BWD_MIN_WORK = {128: 1 << 17}
 
 
 def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs
                               ) -> Tuple[Optional[TileConfig], Optional[TileConfig]]:
     """The warp-specialised (dK/dV, dQ) tiles where the backward can take them (None: portable).
 
-    What the forward needs (warp_specialized_forward), with every tile of both loops inside the
-    sequences: Sq and Sk multiples of 128; enough work per dK/dV program too (Sq * D >=
-    WS_MIN_KEY_WORK); and for dK/dV one query head per KV head, since its GQA loop over the
-    group's heads would be a second loop.  A causal or window band runs whole in the one loop,
-    position-masked on every tile (backward.py)."""
+    What every specialised kernel needs (_warp_specializable), with every tile of both loops inside
+    the sequences: Sq and Sk multiples of 128; enough work per program, Sq * D and Sk * D at least
+    WS_BWD_MIN_WORK for the width (or WS_MIN_KEY_WORK); and for dK/dV one query head per KV head,
+    since its GQA loop over the group's heads would be a second loop.  A causal or window band runs
+    whole in the one loop, position-masked on every tile (backward.py)."""
     const = dict(constexprs)
-    if not (warp_specialized_forward(shapes, sparse, constexprs)
-            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
-            and shapes.seqlen_q * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK):
-        return None, None
     width = max(const["BLOCK_D"], const["BLOCK_DV"])
+    min_work = min(WS_MIN_KEY_WORK, WS_BWD_MIN_WORK.get(width, WS_MIN_KEY_WORK))
+    if not (_warp_specializable(shapes, sparse, constexprs)
+            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
+            and min(shapes.seqlen_q, shapes.seqlen_k) * max(shapes.head_dim, shapes.head_dim_v) >= min_work):
+        return None, None
     dkdv_tiles = WS_DKDV_BANDED_TILES if const["HAS_LEFT"] or const["HAS_RIGHT"] else WS_DKDV_TILES
     return (dkdv_tiles.get(width) if shapes.group_size == 1 else None), WS_DQ_TILES.get(width)
 
@@ -491,6 +542,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
 
     use_tma = _use_tma(tma, shapes, constexprs)
     ws_dkdv, ws_dq = warp_specialized_backward(shapes, sparse, constexprs) if warp_specialize else (None, None)
+    edges = edges_in_loop(shapes, options, sparse, constexprs)
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = ws_dkdv or config.bwd_dkdv
@@ -505,7 +557,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                  Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias),
                  desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
-                                 ("WARP_SPECIALIZE", bool(ws_dkdv))),
+                                 ("WARP_SPECIALIZE", bool(ws_dkdv)), ("EDGES_IN_LOOP", not ws_dkdv and edges)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
     if sparse is not None:
@@ -518,7 +570,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape))),
         outputs=(Output("dquery", q_shape, "like:query"), desc_scratch(grid, use_tma or bool(ws_dq))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dq)),
-                                 ("WARP_SPECIALIZE", bool(ws_dq))),
+                                 ("WARP_SPECIALIZE", bool(ws_dq)), ("EDGES_IN_LOOP", not ws_dq and edges)),
         num_warps=t.num_warps, num_stages=t.num_stages)
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
 

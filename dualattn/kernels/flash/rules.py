@@ -166,6 +166,20 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
 
 
 @triton.jit
+def mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Scores s with the position mask applied if `edge` (a runtime flag: the tile lies outside
+    band_range's unmasked [full_start, full_end)).  For EDGES_IN_LOOP kernels, whose one loop runs
+    the whole band: a branch outside warp-specialised loops costs less than the separate edge
+    loops, each with its own pipeline fill (benchmarks/NOTES.md step 24)."""
+    if edge:
+        ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
+                       0, 0, 0, 0, 0, 0, True, HAS_LEFT, HAS_RIGHT, False, False, TRANSPOSED, False)
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def load_ids(ROW, offs, limit, other, HAS: tl.constexpr):
     """Per-token ids of a tile (segment ids, positions), or 0 when the feature is off."""
     ids = 0
