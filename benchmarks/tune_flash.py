@@ -123,14 +123,18 @@ if __name__ == "__main__":
     ap.add_argument("--forward-only", action="store_true", help="tune the forward tiles only")
     ap.add_argument("--compile-workers", type=int, default=0)
     args = ap.parse_args()
+    major, minor = torch.cuda.get_device_capability()
+    arch = major * 10 + minor
+    keys = [flash_plan.tuned_key(arch, d, causal, seqlen) for d, seqlen, causal in _problems(args)]
+    if len(set(keys)) != len(keys):
+        raise SystemExit("--seqlens: two lengths share a table key (one per short bucket, one above: "
+                         f"plan.SHORT_SEQ_BUCKETS = {flash_plan.SHORT_SEQ_BUCKETS})")
     if args.compile_workers:
         ctx = multiprocessing.get_context("spawn")
         t0 = time.time()
         with ctx.Pool(args.compile_workers) as pool:
             pool.starmap(_compile_part, [(args, i, args.compile_workers) for i in range(args.compile_workers)])
         print(f"compiled in {time.time() - t0:.0f} s", flush=True)
-    major, minor = torch.cuda.get_device_capability()
-    arch = major * 10 + minor
     table, log = {}, []
     t0 = time.time()
     for d, seqlen, causal in _problems(args):

@@ -332,10 +332,13 @@ def test_plan_keeps_the_portable_backward_where_one_loop_cannot_do():
               Variant("gqa", hq=4, hkv=2, **long), Variant("dropout", dropout=0.1, **long),
               Variant("d64", d=64, **long), Variant("not-asked", sq=4096, sk=4096)):
         assert not v.launch("dkdv", 90)[0].constexpr_dict["WARP_SPECIALIZE"], v.name
-    # D=128 from S=1024 (plan.WS_BWD_MIN_WORK), below the forward's WS_MIN_KEY_WORK.
+    # D=128 without a band from S=1024 (plan.WS_BWD_MIN_WORK), below the forward's WS_MIN_KEY_WORK;
+    # a causal band keeps the forward's bar.
     short = Variant("d128-1024", sq=1024, sk=1024, ws=True)
     assert [short.launch(k, 90)[0].constexpr_dict["WARP_SPECIALIZE"] for k in ("fwd", "dkdv", "dq")] == [
         False, True, True]
+    short_causal = Variant("d128-1024-causal", sq=1024, sk=1024, causal=True, ws=True)
+    assert not any(short_causal.launch(k, 90)[0].constexpr_dict["WARP_SPECIALIZE"] for k in ("dkdv", "dq"))
     # GQA: dQ has no group loop, so it still qualifies.
     assert Variant("gqa", hq=4, hkv=2, **long).launch("dq", 90)[0].constexpr_dict["WARP_SPECIALIZE"]
 

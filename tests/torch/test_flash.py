@@ -229,6 +229,9 @@ EDGE_CASES = {name: CASES[name] for name in ("causal", "causal_sq_lt_sk", "causa
                                               "window_left_only", "window_right_only_flashattn_minus1",
                                               "causal_window_gqa", "sinks_causal_gqa", "hd80", "long_k_multi_block")}
 EDGE_CASES["causal_bias_softcap"] = Case(Sq=70, Sk=90, opts=dict(causal=True, logits_soft_cap=3.0), tensors=_bias(FULL))
+# Long enough for unmasked interior tiles between the edges (the interpreter's tiles are 64 x 64).
+EDGE_CASES["causal_interior"] = Case(B=1, Sq=256, Sk=256, Hq=2, Hkv=1, opts=dict(causal=True))
+EDGE_CASES["window_interior_ragged"] = Case(B=1, Sq=300, Sk=330, Hq=2, Hkv=2, opts=dict(sliding_window=(70, 100)))
 
 
 @pytest.fixture

@@ -203,6 +203,8 @@ def flash_bwd_dkdv_kernel(
     # Key tiles busiest-first, as ordered for the group's first query head.  Dense: causal
     # key tiles see fewer queries the later they are; with only a left window bound the last
     # key tiles see the most.
+    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
+                                             or WARP_SPECIALIZE)))   # (plan.edges_in_loop)
     pid_n, b, h_kv, _ = program_tile(num_heads_q // GROUP_SIZE, SPARSE_K_ORDER, sparse_kstride_b,
                                      sparse_kstride_h * GROUP_SIZE, BLOCK_SPARSE, HAS_LEFT != HAS_RIGHT, HAS_LEFT)
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
@@ -263,7 +265,8 @@ def flash_bwd_dkdv_kernel(
         QSEG_ROW = QSEG + b64 * seg_stride_qb
         for segment in tl.static_range(3):
             # Warp-specialised: one loop over the whole band (every tile inside the sequences:
-            # plan's rule), position-masked on every tile when the band has edges.
+            # plan's rule), position-masked on every tile when the band has edges.  EDGES_IN_LOOP
+            # (portable): one loop too, the mask on edge tiles only.
             if segment == 1 or not (WARP_SPECIALIZE or EDGES_IN_LOOP):
                 lo, hi = loop_segment(segment, start, full_start, full_end, end, WARP_SPECIALIZE or EDGES_IN_LOOP)
                 dk, dv = _dkdv_inner(
@@ -350,6 +353,8 @@ def flash_bwd_dq_kernel(
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
 ):
+    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
+                                             or WARP_SPECIALIZE)))   # (plan.edges_in_loop)
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
     pid_bh = b * num_heads_q + h

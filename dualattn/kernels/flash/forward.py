@@ -2,7 +2,8 @@
 
 Grid: (cdiv(max Sq, BLOCK_M), batch * Hq).  One program owns one query tile of one
 head and streams the key tiles that band_range says it can see: masked edge tiles and
-unmasked interior tiles go through the same inner loop, specialised by POSITIONAL.
+unmasked interior tiles go through the same inner loop, specialised by POSITIONAL (or, with
+EDGES_IN_LOOP, one loop with the mask behind a branch on edge tiles).
 Layouts: element strides for (batch, seq, head); the head dimension is contiguous.
 Varlen: batch strides are 0 and sequence starts come from CU_SEQLENS_*.
 WARP_SPECIALIZE (Hopper; plan.warp_specialized_forward): one TMA loop that Triton splits
@@ -55,10 +56,11 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
             s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
             s_scale = 1.0
         else:
-            # Plain unmasked scores: scale the row max instead (scale > 0), so the exponent
-            # below is one FMA per element instead of a multiply and a subtract.  (Masked tiles
-            # keep the multiply: folded there, the block-sparse window forward measured 35%
-            # slower, benchmarks/NOTES.md step 10.)
+            # Plain scores: scale the row max instead (scale > 0), so the exponent below is one
+            # FMA per element instead of a multiply and a subtract.  (Position-masked loops keep
+            # the multiply: folded there, the block-sparse window forward measured 35% slower,
+            # benchmarks/NOTES.md step 10; EDGES_IN_LOOP's few edge tiles fold it, -inf * scale
+            # staying -inf.)
             s = qk
             s_scale = sm_scale * LOG2E
         k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
@@ -111,6 +113,9 @@ def flash_fwd_kernel(
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_BAND: tl.constexpr,
     EDGES_IN_LOOP: tl.constexpr,
 ):
+    # EDGES_IN_LOOP's branch masks positions only, and only plain dense bands (plan.edges_in_loop).
+    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
+                                             or WARP_SPECIALIZE or SPLIT_BAND)))
     pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
                                          HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
     pid_bh = b * num_heads_q + h

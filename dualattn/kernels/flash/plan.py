@@ -299,8 +299,10 @@ def _memoised(plan_fn):
     @functools.wraps(plan_fn)
     def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None, **flags):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
+        # (The environment switches the plan reads itself are part of the key.)
+        flags["env_edges_in_loop"] = os.environ.get(EDGES_IN_LOOP_ENV)
         return cached(shapes, options, frozen, config, int(diag_shift), sparse,
-                      tuple(sorted((k, bool(v)) for k, v in flags.items())))
+                      tuple(sorted(flags.items())))
     _PLAN_CACHES.append(cached)
     return plan
 
@@ -358,7 +360,7 @@ WS_SPLIT_MIN_HEAD_DIM = 128     # padded head dim (BLOCK_D / BLOCK_DV)
 
 
 def band_keys(shapes: FlashShapes, options: FlashOptions, constexprs) -> int:
-    """The most keys one query row can see (or queries one key: the band is as wide both ways)."""
+    """A bound on the keys one query row can see and on the queries one key can see."""
     const = dict(constexprs)
     longest = max(shapes.seqlen_q, shapes.seqlen_k)
     return min(longest, (options.window_left if const["HAS_LEFT"] else longest)
@@ -387,13 +389,16 @@ WS_EDGES_TILE = TileConfig(64, 64, 4, 2)
 EDGES_IN_LOOP_MAX_KEYS = 2048
 
 
-def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], constexprs) -> bool:
+EDGES_IN_LOOP_ENV = "DUALATTN_EDGES_IN_LOOP"
+
+
+def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], constexprs,
+                  flag: Optional[str] = None) -> bool:
     """Whether the portable kernels run their band's masked edges in the one loop (EDGES_IN_LOOP):
     causal or window bands of at most EDGES_IN_LOOP_MAX_KEYS keys.  Not with per-element masks
     (segments, a mask, explicit positions), which mask every tile, nor block-sparse lists.
-    DUALATTN_EDGES_IN_LOOP=0 / 1 turns it off / on for every band (A/B runs)."""
+    flag: DUALATTN_EDGES_IN_LOOP, "0" / "1" turn it off / on for every band (A/B runs)."""
     const = dict(constexprs)
-    flag = os.environ.get("DUALATTN_EDGES_IN_LOOP")
     return (flag != "0" and sparse is None and (const["HAS_LEFT"] or const["HAS_RIGHT"])
             and not any(const[f] for f in ("HAS_MASK", "HAS_SEGMENTS", "HAS_POSITIONS"))
             and (flag == "1" or band_keys(shapes, options, constexprs) <= EDGES_IN_LOOP_MAX_KEYS))
@@ -402,7 +407,7 @@ def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
 @_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                 tma: bool = False, warp_specialize: bool = False) -> Launch:
+                 tma: bool = False, warp_specialize: bool = False, env_edges_in_loop: Optional[str] = None) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -431,8 +436,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
             constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", tma_loads),
                                      ("WARP_SPECIALIZE", warp_specialized),
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0),
-                                     ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(shapes, options, sparse,
-                                                                                            constexprs))),
+                                     ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(
+                                         shapes, options, sparse, constexprs, env_edges_in_loop))),
             num_warps=t.num_warps, num_stages=t.num_stages, then=then,
             resume=FWD_RESUME if split and not warp_specialized else ())
 
@@ -456,10 +461,10 @@ FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 WS_DKDV_TILES = {128: TileConfig(64, 128, 4, 2)}
 WS_DKDV_BANDED_TILES = {**WS_DKDV_TILES, 64: TileConfig(64, 128, 4, 2)}
 WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
-# The least Sq * D and Sk * D (D: the larger head dim) for which the specialised backward pays, by
-# padded head dim; other widths WS_MIN_KEY_WORK.  Kernel times (CUDA graphs, NOTES step 24) with the
-# rule off at S=1024: D=128 non-causal backward +9%, causal -1%; D=64's banded dK/dV -10% (and -3%
-# at S=2048, inside WS_MIN_KEY_WORK).
+# A lower bar than WS_MIN_KEY_WORK for the least Sq * D and Sk * D (D: the larger head dim, unpadded)
+# at which the specialised backward of problems without a band pays, by padded head dim.  Kernel
+# times (CUDA graphs, NOTES step 24) with the rule off at S=1024: D=128 non-causal backward +9%,
+# causal -1% (so bands keep WS_MIN_KEY_WORK); D=64's banded dK/dV -10% (and -3% at S=2048).
 WS_BWD_MIN_WORK = {128: 1 << 17}
 
 
@@ -469,17 +474,19 @@ def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo],
 
     What every specialised kernel needs (_warp_specializable), with every tile of both loops inside
     the sequences: Sq and Sk multiples of 128; enough work per program, Sq * D and Sk * D at least
-    WS_BWD_MIN_WORK for the width (or WS_MIN_KEY_WORK); and for dK/dV one query head per KV head,
+    WS_MIN_KEY_WORK (without a band, WS_BWD_MIN_WORK's bar for the width where lower); and for dK/dV
+    one query head per KV head,
     since its GQA loop over the group's heads would be a second loop.  A causal or window band runs
     whole in the one loop, position-masked on every tile (backward.py)."""
     const = dict(constexprs)
     width = max(const["BLOCK_D"], const["BLOCK_DV"])
-    min_work = min(WS_MIN_KEY_WORK, WS_BWD_MIN_WORK.get(width, WS_MIN_KEY_WORK))
+    banded = const["HAS_LEFT"] or const["HAS_RIGHT"]
+    min_work = WS_MIN_KEY_WORK if banded else min(WS_MIN_KEY_WORK, WS_BWD_MIN_WORK.get(width, WS_MIN_KEY_WORK))
     if not (_warp_specializable(shapes, sparse, constexprs)
             and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
             and min(shapes.seqlen_q, shapes.seqlen_k) * max(shapes.head_dim, shapes.head_dim_v) >= min_work):
         return None, None
-    dkdv_tiles = WS_DKDV_BANDED_TILES if const["HAS_LEFT"] or const["HAS_RIGHT"] else WS_DKDV_TILES
+    dkdv_tiles = WS_DKDV_BANDED_TILES if banded else WS_DKDV_TILES
     return (dkdv_tiles.get(width) if shapes.group_size == 1 else None), WS_DQ_TILES.get(width)
 
 
@@ -494,7 +501,8 @@ class BackwardPlan:
 @_memoised
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                  tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False) -> BackwardPlan:
+                  tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False,
+                  env_edges_in_loop: Optional[str] = None) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
@@ -542,7 +550,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
 
     use_tma = _use_tma(tma, shapes, constexprs)
     ws_dkdv, ws_dq = warp_specialized_backward(shapes, sparse, constexprs) if warp_specialize else (None, None)
-    edges = edges_in_loop(shapes, options, sparse, constexprs)
+    edges = edges_in_loop(shapes, options, sparse, constexprs, env_edges_in_loop)
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = ws_dkdv or config.bwd_dkdv

@@ -77,7 +77,8 @@ def key_tiles(m0, tile, layout_row, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_bloc
 def loop_segment(segment: tl.constexpr, start, full_start, full_end, end, ONE_LOOP: tl.constexpr = False):
     """[lo, hi) of loop segment 0, 1, 2: the masked leading edge, the unmasked interior, the masked
     trailing edge (segment 1 alone compiles without position masks).  ONE_LOOP: segment 1 is the
-    whole band [start, end), for callers that compile no other segment (every tile full)."""
+    whole band [start, end), for callers that compile no other segment (masking every tile, or the
+    edge tiles behind a branch: EDGES_IN_LOOP)."""
     lo = start if segment == 0 else (full_start if segment == 1 else full_end)
     hi = full_start if segment == 0 else (full_end if segment == 1 else end)
     if ONE_LOOP:
