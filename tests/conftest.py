@@ -87,3 +87,21 @@ def forward_plan_flags(monkeypatch):
         monkeypatch.setattr(flash_plan, "plan_forward", spy)
         return flags
     return spy_on
+
+
+@pytest.fixture
+def launch_flags(monkeypatch, forward_plan_flags):
+    """launch_flags(name) -> forward_plan_flags(name), extended by the constexpr `name` of the
+    dK/dV and dQ launches of every backward planned from then on."""
+    def spy_on(name: str) -> list:
+        from dualattn.kernels.flash import plan as flash_plan
+        flags, real = forward_plan_flags(name), flash_plan.plan_backward
+
+        def spy(*args, **kwargs):
+            plan = real(*args, **kwargs)
+            flags.extend((plan.dkdv.constexpr_dict[name], plan.dq.constexpr_dict[name]))
+            return plan
+
+        monkeypatch.setattr(flash_plan, "plan_backward", spy)
+        return flags
+    return spy_on

@@ -235,7 +235,7 @@ EDGE_CASES["window_interior_ragged"] = Case(B=1, Sq=300, Sk=330, Hq=2, Hkv=2, op
 
 
 @pytest.fixture
-def edge_layout_flags(monkeypatch):
+def edge_layout_flags(monkeypatch, launch_flags):
     """edge_layout_flags(in_loop) -> the EDGES_IN_LOOP flags of every forward, dK/dV and dQ launch
     planned from then on, with the rule set to put every band's edges in the loop or in their own."""
     from dualattn.kernels.flash import plan as flash_plan
@@ -243,22 +243,8 @@ def edge_layout_flags(monkeypatch):
     def use(in_loop: bool) -> list:
         monkeypatch.delenv("DUALATTN_EDGES_IN_LOOP", raising=False)
         monkeypatch.setattr(flash_plan, "EDGES_IN_LOOP_MAX_KEYS", 1 << 30 if in_loop else 0)
-        flags, real_fwd, real_bwd = [], flash_plan.plan_forward, flash_plan.plan_backward
-
-        def fwd(*args, **kwargs):
-            launch = real_fwd(*args, **kwargs)
-            flags.append(launch.constexpr_dict["EDGES_IN_LOOP"])
-            return launch
-
-        def bwd(*args, **kwargs):
-            plan = real_bwd(*args, **kwargs)
-            flags.extend((plan.dkdv.constexpr_dict["EDGES_IN_LOOP"], plan.dq.constexpr_dict["EDGES_IN_LOOP"]))
-            return plan
-
-        monkeypatch.setattr(flash_plan, "plan_forward", fwd)
-        monkeypatch.setattr(flash_plan, "plan_backward", bwd)
         flash_plan.forget_plans()   # memoised under the other rule
-        return flags
+        return launch_flags("EDGES_IN_LOOP")
     yield use
     from dualattn.kernels.flash import plan as flash_plan
     flash_plan.forget_plans()
