@@ -65,6 +65,7 @@ class Variant:
     tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
     lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
     ws: bool = False                    # allow the warp-specialised kernels, as the launchers do on sm_90
+    num_sms: int = 0                    # the GPU's SMs as the launchers pass them (persistent forward)
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -113,7 +114,7 @@ class Variant:
             extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
         fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma,
-                                      warp_specialize=self.ws, **extra)
+                                      warp_specialize=self.ws, num_sms=self.num_sms, **extra)
         bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
                                        lse_grad=self.lse_grad, warp_specialize=self.ws, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
@@ -282,6 +283,10 @@ WS_FAST = (
     Variant("ws-fp16-d64-gqa-cross-sinks", dtype="float16", d=64, hq=4, hkv=2, sq=200, sk=4096, sinks=("head", 1),
             ws=True),
     Variant("ws-bf16-d96-dv64", d=96, dv=64, sq=128, sk=4096, ws=True),
+    # Persistent (more tiles than SMs): each program loops over tiles around the specialised loop.
+    Variant("ws-persistent-bf16-d128", sq=1024, sk=2048, ws=True, num_sms=7),
+    Variant("ws-persistent-fp16-d64-gqa-sinks", dtype="float16", d=64, hq=4, hkv=2, sq=512, sk=4096,
+            sinks=("head", 1), ws=True, num_sms=3),
 )
 
 
@@ -292,6 +297,10 @@ def test_compile_warp_specialized_forward(variant):
     assert (launch.num_warps, launch.num_stages) == (4, 2)
     assert "setmaxnreg" in ptx, f"{variant.name}: the forward loop was not warp-specialised"
     assert "cp.async.bulk.tensor" in ptx
+    assert launch.constexpr_dict["PERSISTENT"] == (variant.num_sms > 0), variant.name
+    if variant.num_sms:
+        assert launch.grid == (variant.num_sms, 1, 1)
+        assert dict(launch.scalars)["num_work"] == (variant.sq // 128) * variant.batch * variant.hq
 
 
 # The warp-specialised backward (sm_90): dK/dV and dQ loops split like the forward's.

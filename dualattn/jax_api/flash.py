@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import executor
 from ..kernels.flash import plan as flash_plan
-from ..kernels.launch import as_int32, row_major_strides
+from ..kernels.launch import as_int32, row_major_strides, sm_count
 from ..options import FlashOptions
 from ..sparse import sparse_info
 from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
@@ -40,6 +40,7 @@ class _Static:
     sparse: Optional[flash_plan.SparseInfo] = None  # block-sparse layout; its lists are in the arrays
     tma: bool = False               # plan flags, as the torch launcher sets them (_descriptor_flags)
     warp_specialize: bool = False
+    num_sms: int = 0                # the GPU's SMs, for a persistent forward (plan.persistent_forward)
 
 
 def _strides(arrays: dict) -> dict:
@@ -51,7 +52,7 @@ def _forward(static: _Static, arrays: dict):
     launch = flash_plan.plan_forward(static.shapes, static.options,
                                      {**_strides(arrays), "out": row_major_strides(out_shape)},
                                      config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
-                                     tma=static.tma, warp_specialize=static.warp_specialize)
+                                     tma=static.tma, warp_specialize=static.warp_specialize, num_sms=static.num_sms)
     res = _launch.run(launch, arrays)
     return vary_like((res["out"], res["lse"]), arrays["query"], arrays["key"], arrays["value"])
 
@@ -144,7 +145,8 @@ def _descriptor_flags(query) -> dict:
     arch = _launch.gpu_arch() if _launch._on_gpu(query) else None
     descriptors = arch is None or arch >= 90
     return dict(tma=flash_plan.tma_requested() and descriptors,
-                warp_specialize=flash_plan.warp_specialize_requested(arch) and descriptors)
+                warp_specialize=flash_plan.warp_specialize_requested(arch) and descriptors,
+                num_sms=sm_count(0 if arch is not None else None))
 
 
 def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:

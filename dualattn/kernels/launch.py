@@ -8,6 +8,8 @@ jax-triton requires — so one launch plan compiles the identical kernel variant
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Optional, Tuple
 
 
@@ -75,3 +77,22 @@ def as_int32(seed: Optional[int]) -> int:
     """Reinterpret any python int as the int32 whose bits are seed mod 2**32."""
     s = int(seed or 0) & 0xFFFFFFFF
     return s - (1 << 32) if s >= (1 << 31) else s
+
+
+NUM_SMS_ENV = "DUALATTN_NUM_SMS"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    from triton.runtime import driver
+    return int(driver.active.utils.get_device_properties(index)["multiprocessor_count"])
+
+
+def sm_count(device_index: Optional[int]) -> int:
+    """Streaming multiprocessors of CUDA device `device_index` (None: the CPU interpreter, which has
+    none), asked through Triton's driver so both front ends see the same number.  DUALATTN_NUM_SMS
+    overrides it (tests run persistent launches in the interpreter with it)."""
+    override = os.environ.get(NUM_SMS_ENV)
+    if override:
+        return int(override)
+    return 0 if device_index is None else _device_sms(device_index)

@@ -18,7 +18,7 @@ import torch
 
 from .. import executor
 from ..kernels.flash import plan as flash_plan
-from ..kernels.launch import as_int32
+from ..kernels.launch import as_int32, sm_count
 from ..options import FlashOptions
 from ..validation import check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
 from . import _launch
@@ -163,6 +163,11 @@ def _warp_specialize(a: dict) -> bool:
     return flash_plan.warp_specialize_requested(arch) and _descriptors(a)
 
 
+def _num_sms(a: dict) -> int:
+    query = a["query"]
+    return sm_count(query.device.index if query.is_cuda else None)
+
+
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
     if dropout_prob == 0.0:
         return None
@@ -189,7 +194,7 @@ def _forward(named: dict):
     out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
     launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
                                      diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                     warp_specialize=_warp_specialize(a))
+                                     warp_specialize=_warp_specialize(a), num_sms=_num_sms(a))
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"], r
 

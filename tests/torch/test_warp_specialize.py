@@ -3,8 +3,10 @@
 
 One TMA loop over every unmasked key tile, TMA stores, WS_TILE in place of the configured
 forward tile; causal and window bands and a partial last key tile add a second, portable launch
-over the masked edges that resumes from the first's O and lse (plan.split_band).  Checked against the float64 reference (forward, lse,
-and gradients, which the portable backward computes from this forward's lse), on the CPU
+over the masked edges that resumes from the first's O and lse (plan.split_band).  With more tiles
+than SMs and short keys the forward runs persistent (plan.persistent_forward; opt-in with it, the
+band whole in the specialised loop, plan.ws_band_in_loop).  Checked against the float64 reference
+(forward, lse, and gradients, which the portable backward computes from this forward's lse), on the CPU
 interpreter (DUALATTN_WS=1; fp16, as the interpreter mis-reads bf16 descriptor loads) and on
 the GPU.  Each test also checks the plan took the variant, so none can pass by never running it.
 """
@@ -54,6 +56,7 @@ def split_every_band(monkeypatch):
     about the two launches' numbers, on shapes small enough for the interpreter."""
     monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_KEYS", 0)
     monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_HEAD_DIM", 0)
+    monkeypatch.setenv(flash_plan.WS_BAND_ENV, "0")   # not the persistent band-in-loop forward instead
     flash_plan.forget_plans()   # memoised under the other rule
     yield
     flash_plan.forget_plans()
@@ -88,6 +91,71 @@ def test_split_band_forward_interpreted(case, monkeypatch, forward_plan_flags, s
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
     assert ws and all(ws) and all(split), (ws, split)
+
+
+def _forward_layout(forward_plan_flags):
+    """Collects (WARP_SPECIALIZE, PERSISTENT, SPLIT_BAND) of every forward launch planned from then on."""
+    names = ("WARP_SPECIALIZE", "PERSISTENT", "SPLIT_BAND")
+    lists = [forward_plan_flags(n) for n in names]
+    return lambda: list(zip(*lists))
+
+
+# Persistent warp-specialised forwards (plan.persistent_forward): more tiles than SMs, each program
+# looping over tiles; with DUALATTN_WS_BAND=1 (opt-in, plan.ws_band_in_loop) causal and window bands
+# whole in the one loop.  (case, environment): DUALATTN_NUM_SMS gives the interpreter an SM count.
+BAND = {"DUALATTN_WS_BAND": "1"}
+PERSISTENT_CASES = {
+    "full": (dict(b=1, sq=512, sk=1024, hq=2, hkv=2, d=128, opts={}), {}),
+    "d64-gqa-sinks": (dict(b=1, sq=256, sk=256, hq=4, hkv=2, d=64, opts={}, sinks=True), {}),
+    "causal-gqa-sinks": (dict(b=1, sq=256, sk=384, hq=4, hkv=2, d=128, opts=dict(causal=True), sinks=True), BAND),
+    # Bottom-right causal with more queries than keys: the first 128 rows see nothing.
+    "causal-empty-rows": (dict(b=1, sq=384, sk=256, hq=2, hkv=2, d=128, opts=dict(causal=True)), BAND),
+    "window": (dict(b=2, sq=256, sk=256, hq=1, hkv=1, d=128, opts=dict(sliding_window=(100, 20))), BAND),
+    "d64-causal": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, opts=dict(causal=True)), BAND),
+}
+
+
+def _check_persistent(case, env, monkeypatch, forward_plan_flags, **check):
+    """The case against the reference, with the forward planned persistent and warp-specialised in one launch."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    layout = _forward_layout(forward_plan_flags)
+    c = dict(case)
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), **check, **c)
+    assert layout() == [(True, True, 0)], layout()
+
+
+@pytest.mark.parametrize("case", sorted(PERSISTENT_CASES))
+def test_persistent_forward_interpreted(case, monkeypatch, forward_plan_flags, seed):
+    c, env = PERSISTENT_CASES[case]
+    _check_persistent(c, {"DUALATTN_WS": "1", "DUALATTN_NUM_SMS": "3", **env}, monkeypatch, forward_plan_flags,
+                      device="cpu", dtype=torch.float16, seed=seed, tol=2e-3)
+
+
+def test_persistent_forward_rules(monkeypatch):
+    """Persistent only with more tiles than SMs; bands in the loop only with whole tiles."""
+    from test_compile import Variant
+    monkeypatch.delenv(flash_plan.WS_BAND_ENV, raising=False)
+    monkeypatch.delenv(flash_plan.PERSISTENT_ENV, raising=False)
+
+    def layout(**kw):
+        launch = Variant("v", ws=True, **kw).launch("fwd", 90)[0]
+        c = launch.constexpr_dict
+        return c["WARP_SPECIALIZE"], c["PERSISTENT"], c["SPLIT_BAND"], launch.then is not None
+
+    s1024 = dict(sq=1024, sk=1024, batch=2, hq=16)   # 256 tiles of 128 rows
+    assert layout(**s1024, num_sms=256) == (False, False, 0, False)      # no more tiles than SMs: as before
+    assert layout(**s1024, num_sms=100) == (True, True, 0, False)        # more: persistent even below WS_MIN_KEY_WORK
+    assert layout(**s1024, d=64, num_sms=100) == (True, True, 0, False)
+    assert layout(**s1024, causal=True, num_sms=100)[:2] == (False, False)   # bands: the portable forward
+    assert layout(sq=1024, sk=8192, batch=2, hq=16, num_sms=100) == (True, False, 0, False)  # long: the grid
+    monkeypatch.setenv(flash_plan.WS_BAND_ENV, "1")
+    assert layout(**s1024, causal=True, num_sms=100) == (True, True, 0, False)    # opt-in: band in the loop
+    ragged = dict(sq=1024, sk=1000, batch=2, hq=16, causal=True, num_sms=100)
+    assert layout(**ragged)[:2] == (False, False)                        # partial key tile: no band in the loop
+    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
+    assert layout(**s1024, num_sms=100)[:2] == (False, False)            # as before persistence
 
 
 @pytest.fixture
@@ -194,6 +262,30 @@ def test_gpu_warp_specialized_forward(case, monkeypatch, forward_plan_flags, see
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
     assert flags and all(flags), flags
+
+
+GPU_PERSISTENT_CASES = {   # (case, environment)
+    "d128-s1024": (dict(b=4, sq=1024, sk=1024, hq=16, hkv=16, d=128, opts={}), {}),
+    "d64-gqa-sinks-s2048": (dict(b=2, sq=2048, sk=2048, hq=16, hkv=4, d=64, opts={}, sinks=True), {}),
+    "causal-d128-s1024": (dict(b=4, sq=1024, sk=1024, hq=16, hkv=16, d=128, opts=dict(causal=True)), BAND),
+    "causal-gqa-sinks-d128": (dict(b=2, sq=2048, sk=2048, hq=8, hkv=2, d=128, opts=dict(causal=True), sinks=True),
+                              BAND),
+    # Bottom-right causal with more queries than keys: the first 256 rows see nothing.
+    "causal-empty-rows-d128": (dict(b=1, sq=2304, sk=2048, hq=8, hkv=8, d=128, opts=dict(causal=True)), BAND),
+    "window-d128-cross": (dict(b=1, sq=2048, sk=4096, hq=16, hkv=16, d=128, opts=dict(sliding_window=(700, 300))),
+                          BAND),
+    "causal-d64": (dict(b=2, sq=2048, sk=2048, hq=16, hkv=16, d=64, opts=dict(causal=True)), BAND),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_PERSISTENT_CASES))
+def test_gpu_persistent_forward(case, monkeypatch, forward_plan_flags, seed):
+    _require_sm90()
+    c, env = GPU_PERSISTENT_CASES[case]
+    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    _check_persistent(c, env, monkeypatch, forward_plan_flags, device="cuda", dtype=torch.bfloat16, seed=seed,
+                      tol=1e-2)
 
 
 @pytest.mark.gpu

@@ -14,13 +14,17 @@ portable one, on its own smaller tiles, over the masked edges that resumes the o
 the O and lse the first stored (RESUME_O, RESUME_LSE; launch.Launch.then).
 EDGES_IN_LOOP (portable; plan.edges_in_loop, short bands): the masked edge tiles run in the one
 loop, masked behind a branch, instead of in loops of their own (rules.mask_band_edge).
+PERSISTENT (warp-specialised; plan.persistent_forward, short keys): grid = (SMs,), and each program
+takes the grid's tiles in turn (rules.program_tile).  With it, DUALATTN_WS_BAND=1 (opt-in,
+plan.ws_band_in_loop) runs a causal or window band whole in the specialised loop, masked on every
+tile (BAND_IN_LOOP).
 """
 import triton
 import triton.language as tl
 
-from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids,
-                    load_rows, load_tile, logits, loop_segment, mask_band_edge, program_tile, reduce_max, reduce_sum,
-                    row_stats, row_tiles, sequence_bounds, tile_mask, tile_start)
+from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias,
+                    load_ids, load_rows, load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile,
+                    reduce_max, reduce_sum, row_stats, row_tiles, sequence_bounds, tile_mask, tile_start)
 
 
 @triton.jit
@@ -49,7 +53,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
         k = load_rows(K_TILES, start_n, offs_n, stride_ks, seqlen_k, offs_d, HEAD_DIM, POSITIONAL,
                       BLOCK_D != HEAD_DIM, TMA)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        if HAS_BIAS or HAS_SOFTCAP or (POSITIONAL and not EDGES_IN_LOOP):
+        if HAS_BIAS or HAS_SOFTCAP or (POSITIONAL and not (EDGES_IN_LOOP or WARP_SPECIALIZE)):
             bias = 0.0
             if HAS_BIAS:
                 bias = load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, False)
@@ -59,8 +63,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
             # Plain scores: scale the row max instead (scale > 0), so the exponent below is one
             # FMA per element instead of a multiply and a subtract.  (Position-masked loops keep
             # the multiply: folded there, the block-sparse window forward measured 35% slower,
-            # benchmarks/NOTES.md step 10; EDGES_IN_LOOP's few edge tiles fold it, -inf * scale
-            # staying -inf.)
+            # benchmarks/NOTES.md step 10; EDGES_IN_LOOP's edge tiles and the warp-specialised
+            # band loop fold it, -inf * scale staying -inf.)
             s = qk
             s_scale = sm_scale * LOG2E
         k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
@@ -71,7 +75,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
         elif POSITIONAL or HAS_SEGMENTS or HAS_MASK:
             ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                            q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
-                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, False, HAS_POSITIONS)
+                           POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, HAS_MASK, False, HAS_POSITIONS,
+                           WARP_SPECIALIZE)  # (a warp-specialised band loop's tiles lie inside: plan)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, reduce_max(s, 1) * s_scale)
         # A row with nothing visible yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
@@ -102,7 +107,7 @@ def flash_fwd_kernel(
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     pos_stride_qb, pos_stride_kb,
     seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
-    sm_scale, softcap, dropout_threshold, dropout_scale,
+    sm_scale, softcap, dropout_threshold, dropout_scale, num_work,
     O, LSE, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
@@ -111,125 +116,147 @@ def flash_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_BAND: tl.constexpr,
-    EDGES_IN_LOOP: tl.constexpr,
+    EDGES_IN_LOOP: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # EDGES_IN_LOOP's branch masks positions only, and only plain dense bands (plan.edges_in_loop).
     tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
                                              or WARP_SPECIALIZE or SPLIT_BAND)))
-    pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, BLOCK_SPARSE,
-                                         HAS_LEFT != HAS_RIGHT, HAS_RIGHT)
-    pid_bh = b * num_heads_q + h
-    h_kv = h // GROUP_SIZE
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
     stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
-                                                           IS_VARLEN)
-    m0 = pid_m * BLOCK_M
-    # (The warp-specialised variant has no early exit: Triton 3.6's pass fails on one, and its
-    # grid, never packed, has no tile past the end.)
-    if not WARP_SPECIALIZE:
-        if m0 >= seqlen_q:
-            return
-    diag = seqlen_k - seqlen_q + diag_shift
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    b64 = b.to(tl.int64)
-    Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-    K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
-    V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
-    # The warp-specialised loop wants every tile from a descriptor, q included (a pointer load
-    # before it fails the pass as well).
-    q = load_rows(row_tiles(Q_HEAD, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE), m0, offs_m,
-                  stride_qs, seqlen_q, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM, WARP_SPECIALIZE)
-    K_TILES = row_tiles(K_HEAD, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    V_TILES = row_tiles(V_HEAD, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
-
-    BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
-    MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
-    KSEG_ROW = KSEG + b64 * seg_stride_kb
-    q_seg = load_ids(QSEG + b64 * seg_stride_qb, offs_m, seqlen_q, -2, HAS_SEGMENTS)
-    q_pos = load_ids(QPOS + b64 * pos_stride_qb, offs_m, seqlen_q, 0, HAS_POSITIONS)
-    row_hash = 0
-    if HAS_DROPOUT:
-        # The seed is read from memory so JAX can pass a traced value.
-        row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
-
-    if SPLIT_BAND and not WARP_SPECIALIZE:
-        # The edges launch: resume from the interior's normalised O and natural lse (sinks
-        # included there), laid out as O and LSE: the very same buffers from torch (in place),
-        # the interior launch's results from JAX.  State m = lse in log2 units with l = 1 gives
-        # the same O and lse.
-        O_HEAD = RESUME_O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-        LSE_HEAD = RESUME_LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
-        lse0 = tl.load(LSE_HEAD + offs_m, mask=offs_m < seqlen_q, other=float("-inf"))
-        seen = lse0 != float("-inf")
-        m_i = tl.where(seen, lse0 * LOG2E, float("-inf"))
-        l_i = tl.where(seen, 1.0, 0.0)
-        acc = tl.load(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :],
-                      mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(tl.float32)
-    elif NUM_SINKS > 0:
-        # Sinks join every row's denominator: start the online softmax from them.
-        offs_s = tl.arange(0, BLOCK_SINKS)
-        sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS,
-                        other=float("-inf")).to(tl.float32) * LOG2E
-        sink_max = reduce_max(sinks, 0)
-        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + sink_max
-        l_i = tl.full([BLOCK_M], 0.0, tl.float32) + reduce_sum(tl.exp2(sinks - sink_max), 0)
-        acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    num_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M   # per head (max Sq when varlen)
+    # PERSISTENT (plan.persistent_forward): a program per SM takes the grid's tiles in turn, so
+    # each SM sets up a warp-specialised program once instead of once per tile.  Otherwise the
+    # loop runs once, for this program's tile (a one-trip loop, folded away by the compiler).
+    if PERSISTENT:
+        work_begin, work_end, work_step = tl.program_id(0), num_work, tl.num_programs(0)
     else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-        acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+        work_begin, work_end, work_step = 0, 1, 1
+    for work in tl.range(work_begin, work_end, work_step):
+        pid_m, b, h, layout_q = program_tile(num_heads_q, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h,
+                                             BLOCK_SPARSE, HAS_LEFT != HAS_RIGHT, HAS_RIGHT, 4, work, num_work,
+                                             num_tiles, PERSISTENT)
+        pid_bh = b * num_heads_q + h
+        h_kv = h // GROUP_SIZE
+        # (This tile's batch's lengths under new names: a loop may not retype the kernel's arguments.)
+        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN)
+        m0 = pid_m * BLOCK_M
+        # A packed (varlen) grid has tiles past a sequence's end.  (The warp-specialised variant
+        # has no such test: Triton 3.6's pass fails on a branch around its loop, and its grid,
+        # never packed, has no tile past the end.)
+        if WARP_SPECIALIZE:
+            in_sequence = True
+        else:
+            in_sequence = m0 < q_len
+        if in_sequence:
+            diag = k_len - q_len + diag_shift
 
-    start, full_start, full_end, end, BLOCK_LIST = key_tiles(
-        m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, seqlen_q, seqlen_k, diag,
-        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
-    if SPLIT_BAND and not WARP_SPECIALIZE:
-        # The edges launch runs smaller tiles than the interior's (SPLIT_BAND square): its band
-        # minus that interior.  The interior is visible to every row, so it lies inside this
-        # band; its ends are multiples of SPLIT_BAND, so no edge tile overlaps it.
-        _, cut_lo, cut_hi, _ = band_range((m0 // SPLIT_BAND) * SPLIT_BAND, seqlen_q, seqlen_k, diag, window_left,
-                                          window_right, SPLIT_BAND, SPLIT_BAND, HAS_LEFT, HAS_RIGHT)
-        full_start = tl.minimum(tl.maximum(cut_lo, start), end)
-        full_end = tl.minimum(tl.maximum(cut_hi, full_start), end)
-    for segment in tl.static_range(3):
-        # Warp-specialised (Hopper, TMA; plan.warp_specialized_forward): Triton 3.6 specialises
-        # a kernel's only loop, so only segment 1 compiles: the whole band, or with SPLIT_BAND the
-        # unmasked interior (the edges launch then runs segments 0 and 2).  EDGES_IN_LOOP: segment
-        # 1 alone, over the whole band.
-        if ((segment == 1) == WARP_SPECIALIZE or not (WARP_SPECIALIZE or SPLIT_BAND)) and (
-                segment == 1 or not EDGES_IN_LOOP):
-            lo, hi = loop_segment(segment, start, full_start, full_end, end,
-                                  (WARP_SPECIALIZE and not SPLIT_BAND) or EDGES_IN_LOOP)
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_start, full_end, BLOCK_LIST,
-                K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
-                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
-                seqlen_q, seqlen_k, diag, window_left, window_right,
-                sm_scale, softcap, dropout_threshold, dropout_scale,
-                segment != 1 or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, BLOCK_D)
+            offs_dv = tl.arange(0, BLOCK_DV)
+            b64 = b.to(tl.int64)
+            Q_HEAD = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+            K_HEAD = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv * stride_kh
+            V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
+            # The warp-specialised loop wants every tile from a descriptor, q included (a pointer load
+            # before it fails the pass as well).
+            Q_TILES = row_tiles(Q_HEAD, q_len, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
+            q = load_rows(Q_TILES, m0, offs_m, stride_qs, q_len, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM,
+                          WARP_SPECIALIZE)
+            K_TILES = row_tiles(K_HEAD, k_len, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+            V_TILES = row_tiles(V_HEAD, k_len, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
 
-    # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-    # After a warp-specialised loop only TMA stores write every row (pointer stores left rows
-    # 64-127 of each tile unwritten on the H100 with Triton 3.6: benchmarks/NOTES.md step 18).
-    if WARP_SPECIALIZE:
-        row_tiles(O_HEAD, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True).store(
-            [m0, 0], out.to(O.dtype.element_ty))
-    else:
-        tl.store(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
-    LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
-    if WARP_SPECIALIZE:
-        row_stats(LSE_HEAD, seqlen_q, BLOCK_M, True).store([m0], lse)
-    else:
-        tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < seqlen_q)
+            BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
+            MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+            KSEG_ROW = KSEG + b64 * seg_stride_kb
+            q_seg = load_ids(QSEG + b64 * seg_stride_qb, offs_m, q_len, -2, HAS_SEGMENTS)
+            q_pos = load_ids(QPOS + b64 * pos_stride_qb, offs_m, q_len, 0, HAS_POSITIONS)
+            row_hash = 0
+            if HAS_DROPOUT:
+                # The seed is read from memory so JAX can pass a traced value.
+                row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
+
+            if SPLIT_BAND and not WARP_SPECIALIZE:
+                # The edges launch: resume from the interior's normalised O and natural lse (sinks
+                # included there), laid out as O and LSE: the very same buffers from torch (in place),
+                # the interior launch's results from JAX.  State m = lse in log2 units with l = 1 gives
+                # the same O and lse.
+                O_HEAD = RESUME_O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+                LSE_HEAD = RESUME_LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
+                lse0 = tl.load(LSE_HEAD + offs_m, mask=offs_m < q_len, other=float("-inf"))
+                seen = lse0 != float("-inf")
+                m_i = tl.where(seen, lse0 * LOG2E, float("-inf"))
+                l_i = tl.where(seen, 1.0, 0.0)
+                acc = tl.load(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :],
+                              mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < HEAD_DIM_V),
+                              other=0.0).to(tl.float32)
+            elif NUM_SINKS > 0:
+                # Sinks join every row's denominator: start the online softmax from them.
+                offs_s = tl.arange(0, BLOCK_SINKS)
+                sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS,
+                                other=float("-inf")).to(tl.float32) * LOG2E
+                sink_max = reduce_max(sinks, 0)
+                m_i = tl.full([BLOCK_M], 0.0, tl.float32) + sink_max
+                l_i = tl.full([BLOCK_M], 0.0, tl.float32) + reduce_sum(tl.exp2(sinks - sink_max), 0)
+                acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+            else:
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+                acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+
+            start, full_start, full_end, end, BLOCK_LIST = key_tiles(
+                m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, q_len, k_len, diag,
+                window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
+            if SPLIT_BAND and not WARP_SPECIALIZE:
+                # The edges launch runs smaller tiles than the interior's (SPLIT_BAND square): its band
+                # minus that interior.  The interior is visible to every row, so it lies inside this
+                # band; its ends are multiples of SPLIT_BAND, so no edge tile overlaps it.
+                _, cut_lo, cut_hi, _ = band_range((m0 // SPLIT_BAND) * SPLIT_BAND, q_len, k_len, diag,
+                                                  window_left, window_right, SPLIT_BAND, SPLIT_BAND, HAS_LEFT,
+                                                  HAS_RIGHT)
+                full_start = tl.minimum(tl.maximum(cut_lo, start), end)
+                full_end = tl.minimum(tl.maximum(cut_hi, full_start), end)
+            # Warp-specialised with a causal or window band and no split (plan.ws_band_in_loop): the
+            # whole band in the one loop, position-masked on every tile (own_tile_frame: why relative).
+            BAND_IN_LOOP: tl.constexpr = WARP_SPECIALIZE and not SPLIT_BAND and (HAS_LEFT or HAS_RIGHT)
+            mask_offs_m, mask_seqlen_q, mask_diag = own_tile_frame(m0, offs_m, q_len, diag, BLOCK_M, False,
+                                                                   BAND_IN_LOOP)
+            for segment in tl.static_range(3):
+                # Warp-specialised (Hopper, TMA; plan.warp_specialized_forward): Triton 3.6 specialises
+                # a kernel's only loop, so only segment 1 compiles: the whole band, or with SPLIT_BAND the
+                # unmasked interior (the edges launch then runs segments 0 and 2).  EDGES_IN_LOOP: segment
+                # 1 alone, over the whole band.
+                if ((segment == 1) == WARP_SPECIALIZE or not (WARP_SPECIALIZE or SPLIT_BAND)) and (
+                        segment == 1 or not EDGES_IN_LOOP):
+                    lo, hi = loop_segment(segment, start, full_start, full_end, end,
+                                          (WARP_SPECIALIZE and not SPLIT_BAND) or EDGES_IN_LOOP)
+                    acc, l_i, m_i = _fwd_inner(
+                        acc, l_i, m_i, q, q_seg, q_pos, row_hash, mask_offs_m, lo, hi, full_start, full_end,
+                        BLOCK_LIST,
+                        K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
+                        stride_ks, stride_vs, bias_stride_s, mask_stride_s,
+                        mask_seqlen_q, k_len, mask_diag, window_left, window_right,
+                        sm_scale, softcap, dropout_threshold, dropout_scale,
+                        segment != 1 or EDGES_IN_LOOP or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                        BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
+
+            # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.
+            empty = l_i == 0.0
+            out = acc / tl.where(empty, 1.0, l_i)[:, None]
+            lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+            O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+            # After a warp-specialised loop only TMA stores write every row (pointer stores left rows
+            # 64-127 of each tile unwritten on the H100 with Triton 3.6: benchmarks/NOTES.md step 18).
+            if WARP_SPECIALIZE:
+                row_tiles(O_HEAD, q_len, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True).store(
+                    [m0, 0], out.to(O.dtype.element_ty))
+            else:
+                tl.store(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
+                         mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < HEAD_DIM_V))
+            LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
+            if WARP_SPECIALIZE:
+                row_stats(LSE_HEAD, q_len, BLOCK_M, True).store([m0], lse)
+            else:
+                tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < q_len)

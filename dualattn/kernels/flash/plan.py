@@ -299,8 +299,8 @@ def _memoised(plan_fn):
     @functools.wraps(plan_fn)
     def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None, **flags):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
-        # (The environment switches the plan reads itself are part of the key.)
-        flags["env_edges_in_loop"] = os.environ.get(EDGES_IN_LOOP_ENV)
+        # (The environment switches the plans read are part of the key.)
+        flags["env"] = tuple((name, os.environ.get(name)) for name in PLAN_ENV)
         return cached(shapes, options, frozen, config, int(diag_shift), sparse,
                       tuple(sorted(flags.items())))
     _PLAN_CACHES.append(cached)
@@ -323,7 +323,8 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
     What _warp_specializable needs, and enough work per program to repay building five
     descriptors, Sk * D >= WS_MIN_KEY_WORK (in the session-6 sweep, against the same kernel
     without it: D=64 lost 18% at S=1024 and 5% at S=2048, won 4-7% from S=4096; D=128 won 6% at
-    S=2048 and 4% at S=1024, left out as noise)."""
+    S=2048 and 4% at S=1024, left out as noise).  A persistent launch sets up once per SM, so
+    plan_forward lifts the work bar where persistent_forward holds."""
     return (_warp_specializable(shapes, sparse, constexprs)
             and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK)
 
@@ -404,10 +405,57 @@ def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
             and (flag == "1" or band_keys(shapes, options, constexprs) <= EDGES_IN_LOOP_MAX_KEYS))
 
 
+# A persistent warp-specialised forward: one program per SM takes the grid's tiles in turn.  A
+# specialised program's set-up (barriers, descriptors, the producer's first loads, the final TMA
+# stores) then runs once per SM instead of once per tile, which pays where tiles are short: kernel
+# time against the grid, 16k tokens, non-causal forward (NOTES step 25): D=128 +17% at S=1024, +7%
+# at 2048, +2% at 4096, 0 at 8192, -1.5% at 16384; D=64 +8%, +5%, +1.5%, -2%, -3%.  Persistent
+# programs take fixed shares of tiles where the grid's are dealt as SMs free up, and longer tiles
+# leave less set-up to save.
+PERSISTENT_MAX_KEYS = 4096
+PERSISTENT_ENV = "DUALATTN_PERSISTENT"
+
+
+def persistent_forward(grid: Tuple[int, int, int], warp_specialized: bool, num_sms: int, seqlen_k: int,
+                       flag: Optional[str] = None) -> bool:
+    """Whether a warp-specialised forward launch runs persistent (PERSISTENT): the launcher gave the
+    GPU's SM count (num_sms > 0), the grid has more tiles than SMs, and at most PERSISTENT_MAX_KEYS
+    keys.  The portable kernels keep the grid (which also packs varlen tiles).
+    flag: DUALATTN_PERSISTENT, "0" / "1" turn it off / on whatever the keys (A/B runs)."""
+    return (warp_specialized and flag != "0" and num_sms > 0 and grid[0] * grid[1] * grid[2] > num_sms
+            and (flag == "1" or seqlen_k <= PERSISTENT_MAX_KEYS))
+
+
+def _ws_grid(shapes: FlashShapes) -> Tuple[int, int, int]:
+    return (cdiv(shapes.seqlen_q, WS_TILE.block_m), shapes.batch * shapes.heads_q, 1)
+
+
+WS_BAND_ENV = "DUALATTN_WS_BAND"
+
+
+def ws_band_in_loop(shapes: FlashShapes, constexprs, num_sms: int, switch: dict) -> bool:
+    """Opt-in (DUALATTN_WS_BAND=1): a persistent warp-specialised forward runs a causal or window band
+    whole in its one loop, position-masked on every tile (BAND_IN_LOOP, with the backward's
+    three-operation band test), in place of the split pair (split_band) or the portable kernel.
+    Needs every tile inside the sequences (Sq and Sk multiples of WS_TILE), so the test has no
+    bounds checks.  Not the default: it measured slower everywhere, on a grid (NOTES step 21: -4 to
+    -8% at D=128, -20 to -27% at D=64) and persistent (step 25: -9 to -17% at D=128 S >= 2048, -12%
+    at S=1024, and -25% at D=64)."""
+    const = dict(constexprs)
+    return (switch.get(WS_BAND_ENV) == "1" and (const["HAS_LEFT"] or const["HAS_RIGHT"])
+            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
+            and persistent_forward(_ws_grid(shapes), True, num_sms, shapes.seqlen_k, switch.get(PERSISTENT_ENV)))
+
+
+# The environment switches the plans read (A/B runs); their values are part of every plan's memo key.
+PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV)
+
+
 @_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                 tma: bool = False, warp_specialize: bool = False, env_edges_in_loop: Optional[str] = None) -> Launch:
+                 tma: bool = False, warp_specialize: bool = False, num_sms: int = 0,
+                 env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -415,29 +463,40 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     tiles are the layout's blocks.  `warp_specialize`: the launcher can build TMA descriptors on
     an sm_90 GPU and allows the warp-specialised variant, which eligible problems then take with
     WS_TILE in place of config.fwd; where split_band, the returned launch's `then` finishes the
-    masked edges, resuming from its out and lse (FWD_RESUME).
+    masked edges, resuming from its out and lse (FWD_RESUME).  `num_sms`: the GPU's SM count, for
+    a persistent warp-specialised launch (persistent_forward; 0: never persistent).
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
-    ws = warp_specialize and warp_specialized_forward(shapes, sparse, constexprs)
+    switch = dict(env)
+    ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
+        _warp_specializable(shapes, sparse, constexprs)
+        and persistent_forward(_ws_grid(shapes), True, num_sms, shapes.seqlen_k, switch.get(PERSISTENT_ENV))))
     split = ws and split_band(shapes, constexprs)
-    if split and not split_band_pays(shapes, options, constexprs):
+    if split and ws_band_in_loop(shapes, constexprs, num_sms, switch):
+        split = False
+    elif split and not split_band_pays(shapes, options, constexprs):
         ws = split = False
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
 
     def launch(t: TileConfig, tma_loads: bool, warp_specialized: bool, then: Optional[Launch] = None) -> Launch:
         grid = (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1)
+        persistent = persistent_forward(grid, warp_specialized, num_sms, shapes.seqlen_k, switch.get(PERSISTENT_ENV))
+        num_work = grid[0] * grid[1] if persistent else 0
+        if persistent:
+            grid = (num_sms, 1, 1)
         return Launch(
             module="flash.forward", kernel="flash_fwd_kernel", grid=grid,
-            inputs=FWD_INPUTS + tuple(name for name, _ in FWD_RESUME), scalars=scalars,
+            inputs=FWD_INPUTS + tuple(name for name, _ in FWD_RESUME), scalars=scalars + (("num_work", num_work),),
             outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                      desc_scratch(grid, tma_loads)),
             constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", tma_loads),
                                      ("WARP_SPECIALIZE", warp_specialized),
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0),
                                      ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(
-                                         shapes, options, sparse, constexprs, env_edges_in_loop))),
+                                         shapes, options, sparse, constexprs, switch.get(EDGES_IN_LOOP_ENV))),
+                                     ("PERSISTENT", persistent)),
             num_warps=t.num_warps, num_stages=t.num_stages, then=then,
             resume=FWD_RESUME if split and not warp_specialized else ())
 
@@ -502,7 +561,7 @@ class BackwardPlan:
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False,
-                  env_edges_in_loop: Optional[str] = None) -> BackwardPlan:
+                  env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
@@ -550,7 +609,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
 
     use_tma = _use_tma(tma, shapes, constexprs)
     ws_dkdv, ws_dq = warp_specialized_backward(shapes, sparse, constexprs) if warp_specialize else (None, None)
-    edges = edges_in_loop(shapes, options, sparse, constexprs, env_edges_in_loop)
+    edges = edges_in_loop(shapes, options, sparse, constexprs, dict(env).get(EDGES_IN_LOOP_ENV))
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = ws_dkdv or config.bwd_dkdv

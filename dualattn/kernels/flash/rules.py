@@ -331,7 +331,7 @@ COMMON_INTS = [
     "window_left", "window_right", "dropout_threshold", "sparse_stride_b", "sparse_stride_h", "sparse_kstride_b",
     "sparse_kstride_h", "num_q_blocks", "num_k_blocks", "pos_stride_qb", "pos_stride_kb",
 ]
-FWD_INTS = COMMON_INTS
+FWD_INTS = COMMON_INTS + ["num_work"]
 BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh",
                                "dbias_stride_b", "dbias_stride_h", "dbias_stride_s"]
 BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh"]
@@ -373,8 +373,11 @@ def sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN
 
 @triton.jit
 def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE: tl.constexpr,
-                 UNEVEN: tl.constexpr, HEAVY_LAST: tl.constexpr, SCHEDULE_HEADS: tl.constexpr = 4):
-    """(tile, batch, head, layout row) of this program; grid = (tiles, batch * heads).
+                 UNEVEN: tl.constexpr, HEAVY_LAST: tl.constexpr, SCHEDULE_HEADS: tl.constexpr = 4,
+                 work=0, num_work=0, num_tiles=0, PERSISTENT: tl.constexpr = False):
+    """(tile, batch, head, layout row) of this program; grid = (tiles, batch * heads).  PERSISTENT:
+    of work item `work` of num_work = num_tiles * batch * heads, which persistent programs take in
+    turn, each striding by the number of programs.
 
     Load balance: block-sparse launches take their tiles busiest-first from the layout's
     ORDER (which may broadcast over batch and heads).  Dense launches whose tiles do UNEVEN
@@ -384,20 +387,37 @@ def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE:
     tiles are the busiest, as causal query tiles are).  The final wave then holds short
     programs instead of the last heads' long ones, while the programs in flight still share
     a few heads' K/V in L2 (tile-major over all heads re-read K/V from DRAM: 40% slower at
-    S=2048, benchmarks/NOTES.md step 11).  Even work keeps head-major order.
+    S=2048, benchmarks/NOTES.md step 11).  Even work keeps head-major order.  Persistent
+    programs take UNEVEN work tile-major over all heads instead: each round of items then has
+    one or two tile lengths, so every program gets a like share (with the grouped order, whose
+    lengths repeat every group, a stride of the program count dealt some programs only the long
+    tiles: -23% at S=4096, NOTES step 25).
     """
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    if UNEVEN and not BLOCK_SPARSE:
+    if PERSISTENT:
+        n_tiles = num_tiles
+        n_bh = num_work // num_tiles
+        if UNEVEN and not BLOCK_SPARSE:
+            tile = work // n_bh
+            pid_bh = work % n_bh
+            if HEAVY_LAST:
+                tile = n_tiles - 1 - tile
+        else:
+            tile = work % n_tiles
+            pid_bh = work // n_tiles
+    else:
+        tile = tl.program_id(0)
+        pid_bh = tl.program_id(1)
         n_tiles = tl.num_programs(0)
-        dispatched = pid_bh * n_tiles + tile
-        first_bh = dispatched // (SCHEDULE_HEADS * n_tiles) * SCHEDULE_HEADS
-        group_heads = tl.minimum(tl.num_programs(1) - first_bh, SCHEDULE_HEADS)
-        within = dispatched - first_bh * n_tiles
-        tile = within // group_heads
-        pid_bh = first_bh + within % group_heads
-        if HEAVY_LAST:
-            tile = n_tiles - 1 - tile
+        n_bh = tl.num_programs(1)
+        if UNEVEN and not BLOCK_SPARSE:
+            dispatched = pid_bh * n_tiles + tile
+            first_bh = dispatched // (SCHEDULE_HEADS * n_tiles) * SCHEDULE_HEADS
+            group_heads = tl.minimum(n_bh - first_bh, SCHEDULE_HEADS)
+            within = dispatched - first_bh * n_tiles
+            tile = within // group_heads
+            pid_bh = first_bh + within % group_heads
+            if HEAVY_LAST:
+                tile = n_tiles - 1 - tile
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     layout_row = 0
