@@ -416,24 +416,20 @@ PERSISTENT_MAX_KEYS = 4096
 PERSISTENT_ENV = "DUALATTN_PERSISTENT"
 
 
-def persistent_forward(grid: Tuple[int, int, int], warp_specialized: bool, num_sms: int, seqlen_k: int,
-                       flag: Optional[str] = None) -> bool:
-    """Whether a warp-specialised forward launch runs persistent (PERSISTENT): the launcher gave the
-    GPU's SM count (num_sms > 0), the grid has more tiles than SMs, and at most PERSISTENT_MAX_KEYS
-    keys.  The portable kernels keep the grid (which also packs varlen tiles).
+def persistent_forward(shapes: FlashShapes, num_sms: int, flag: Optional[str] = None) -> bool:
+    """Whether a warp-specialised forward (WS_TILE) would run persistent (PERSISTENT): the launcher
+    gave the GPU's SM count (num_sms > 0), there are more tiles than SMs, and at most
+    PERSISTENT_MAX_KEYS keys.  The portable kernels keep the grid (which also packs varlen tiles).
     flag: DUALATTN_PERSISTENT, "0" / "1" turn it off / on whatever the keys (A/B runs)."""
-    return (warp_specialized and flag != "0" and num_sms > 0 and grid[0] * grid[1] * grid[2] > num_sms
-            and (flag == "1" or seqlen_k <= PERSISTENT_MAX_KEYS))
-
-
-def _ws_grid(shapes: FlashShapes) -> Tuple[int, int, int]:
-    return (cdiv(shapes.seqlen_q, WS_TILE.block_m), shapes.batch * shapes.heads_q, 1)
+    tiles = cdiv(shapes.seqlen_q, WS_TILE.block_m) * shapes.batch * shapes.heads_q
+    return (flag != "0" and num_sms > 0 and tiles > num_sms
+            and (flag == "1" or shapes.seqlen_k <= PERSISTENT_MAX_KEYS))
 
 
 WS_BAND_ENV = "DUALATTN_WS_BAND"
 
 
-def ws_band_in_loop(shapes: FlashShapes, constexprs, num_sms: int, switch: dict) -> bool:
+def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Optional[str] = None) -> bool:
     """Opt-in (DUALATTN_WS_BAND=1): a persistent warp-specialised forward runs a causal or window band
     whole in its one loop, position-masked on every tile (BAND_IN_LOOP, with the backward's
     three-operation band test), in place of the split pair (split_band) or the portable kernel.
@@ -442,9 +438,8 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, num_sms: int, switch: dict)
     -8% at D=128, -20 to -27% at D=64) and persistent (step 25: -9 to -17% at D=128 S >= 2048, -12%
     at S=1024, and -25% at D=64)."""
     const = dict(constexprs)
-    return (switch.get(WS_BAND_ENV) == "1" and (const["HAS_LEFT"] or const["HAS_RIGHT"])
-            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
-            and persistent_forward(_ws_grid(shapes), True, num_sms, shapes.seqlen_k, switch.get(PERSISTENT_ENV)))
+    return (flag == "1" and persistent and (const["HAS_LEFT"] or const["HAS_RIGHT"])
+            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0)
 
 
 # The environment switches the plans read (A/B runs); their values are part of every plan's memo key.
@@ -469,11 +464,11 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     switch = dict(env)
+    persistent = persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
     ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
-        _warp_specializable(shapes, sparse, constexprs)
-        and persistent_forward(_ws_grid(shapes), True, num_sms, shapes.seqlen_k, switch.get(PERSISTENT_ENV))))
+        persistent and _warp_specializable(shapes, sparse, constexprs)))
     split = ws and split_band(shapes, constexprs)
-    if split and ws_band_in_loop(shapes, constexprs, num_sms, switch):
+    if split and ws_band_in_loop(shapes, constexprs, persistent, switch.get(WS_BAND_ENV)):
         split = False
     elif split and not split_band_pays(shapes, options, constexprs):
         ws = split = False
@@ -482,9 +477,9 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
 
     def launch(t: TileConfig, tma_loads: bool, warp_specialized: bool, then: Optional[Launch] = None) -> Launch:
         grid = (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1)
-        persistent = persistent_forward(grid, warp_specialized, num_sms, shapes.seqlen_k, switch.get(PERSISTENT_ENV))
-        num_work = grid[0] * grid[1] if persistent else 0
-        if persistent:
+        persistent_launch = warp_specialized and persistent
+        num_work = grid[0] * grid[1] if persistent_launch else 0
+        if persistent_launch:
             grid = (num_sms, 1, 1)
         return Launch(
             module="flash.forward", kernel="flash_fwd_kernel", grid=grid,
@@ -496,7 +491,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0),
                                      ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(
                                          shapes, options, sparse, constexprs, switch.get(EDGES_IN_LOOP_ENV))),
-                                     ("PERSISTENT", persistent)),
+                                     ("PERSISTENT", persistent_launch)),
             num_warps=t.num_warps, num_stages=t.num_stages, then=then,
             resume=FWD_RESUME if split and not warp_specialized else ())
 
