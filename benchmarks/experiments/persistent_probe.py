@@ -33,13 +33,24 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _attend(qd, kd, vd, od, tile, n_m, bh_count, heads, seqlen, c, D: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, CAUSAL: tl.constexpr, INNER_WS: tl.constexpr):
+def _attend(qd, kd, vd, od, Q, K, V, O, LSE, tile, n_m, bh_count, heads, seqlen, c, D: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, CAUSAL: tl.constexpr, INNER_WS: tl.constexpr, PER_TILE: tl.constexpr,
+            STORE_LSE: tl.constexpr):
     # Tile order: every head's last query tile first (the longest causal rows), then the one before.
     m0 = (n_m - 1 - tile // bh_count) * BM
     bh = tile % bh_count
-    row0 = (bh // heads) * seqlen  # descriptors see BSHD as [B * S, H * D]
-    col = (bh % heads) * D
+    if PER_TILE:
+        # As the library kernel does (session 11): descriptors over this head's [S, D], built per tile.
+        base = (bh // heads) * seqlen * heads * D + (bh % heads) * D
+        qd = tl.make_tensor_descriptor(Q + base, shape=[seqlen, D], strides=[heads * D, 1], block_shape=[BM, D])
+        kd = tl.make_tensor_descriptor(K + base, shape=[seqlen, D], strides=[heads * D, 1], block_shape=[BN, D])
+        vd = tl.make_tensor_descriptor(V + base, shape=[seqlen, D], strides=[heads * D, 1], block_shape=[BN, D])
+        od = tl.make_tensor_descriptor(O + base, shape=[seqlen, D], strides=[heads * D, 1], block_shape=[BM, D])
+        row0 = 0
+        col = 0
+    else:
+        row0 = (bh // heads) * seqlen  # descriptors see BSHD as [B * S, H * D]
+        col = (bh % heads) * D
     q = qd.load([row0 + m0, col])
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -57,11 +68,16 @@ def _attend(qd, kd, vd, od, tile, n_m, bh_count, heads, seqlen, c, D: tl.constex
         acc = tl.dot(p.to(q.dtype), vd.load([row0 + start, col]), acc * alpha[:, None])
         m_i = m_new
     od.store([row0 + m0, col], (acc / l_i[:, None]).to(q.dtype))
+    if STORE_LSE:
+        # lse through a 1-D descriptor over this head's row (as the library kernel stores it).
+        ld = tl.make_tensor_descriptor(LSE + bh * seqlen, shape=[seqlen], strides=[1], block_shape=[BM])
+        ld.store([m0], m_i + tl.log2(l_i))
 
 
 @triton.jit
-def probe_fwd(Q, K, V, O, seqlen, heads, batch, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr, OUTER_WS: tl.constexpr, INNER_WS: tl.constexpr):
+def probe_fwd(Q, K, V, O, LSE, seqlen, heads, batch, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr, OUTER_WS: tl.constexpr, INNER_WS: tl.constexpr,
+              PER_TILE: tl.constexpr = False, STORE_LSE: tl.constexpr = False):
     rows, cols = batch * seqlen, heads * D
     qd = tl.make_tensor_descriptor(Q, shape=[rows, cols], strides=[cols, 1], block_shape=[BM, D])
     kd = tl.make_tensor_descriptor(K, shape=[rows, cols], strides=[cols, 1], block_shape=[BN, D])
@@ -71,20 +87,23 @@ def probe_fwd(Q, K, V, O, seqlen, heads, batch, sm_scale, D: tl.constexpr, BM: t
     c = sm_scale * LOG2E
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), n_m * batch * heads, tl.num_programs(0), warp_specialize=OUTER_WS):
-            _attend(qd, kd, vd, od, tile, n_m, batch * heads, heads, seqlen, c, D, BM, BN, CAUSAL, INNER_WS)
+            _attend(qd, kd, vd, od, Q, K, V, O, LSE, tile, n_m, batch * heads, heads, seqlen, c, D, BM, BN, CAUSAL,
+                    INNER_WS, PER_TILE, STORE_LSE)
     else:
-        _attend(qd, kd, vd, od, tl.program_id(0), n_m, batch * heads, heads, seqlen, c, D, BM, BN, CAUSAL, INNER_WS)
+        _attend(qd, kd, vd, od, Q, K, V, O, LSE, tl.program_id(0), n_m, batch * heads, heads, seqlen, c, D, BM, BN,
+                CAUSAL, INNER_WS, PER_TILE, STORE_LSE)
 
 
-def launch(q, o, cfg, causal, programs):
+def launch(q, o, cfg, causal, programs, per_tile=False, store_lse=False):
     b, s, h, d = q.shape
     bm, bn, warps, stages, mode = cfg
+    lse = torch.empty(b * h * s, device=q.device, dtype=torch.float32)
     persistent = mode.startswith("persist")
     tiles = (s // bm) * b * h
     grid = (min(tiles, programs) if persistent else tiles,)
-    probe_fwd[grid](q, q, q, o, s, h, b, d ** -0.5, D=d, BM=bm, BN=bn, CAUSAL=causal, PERSISTENT=persistent,
+    probe_fwd[grid](q, q, q, o, lse, s, h, b, d ** -0.5, D=d, BM=bm, BN=bn, CAUSAL=causal, PERSISTENT=persistent,
                     OUTER_WS=mode.endswith("outer-ws"), INNER_WS=mode.endswith("inner-ws"),
-                    num_warps=warps, num_stages=stages)
+                    PER_TILE=per_tile, STORE_LSE=store_lse, num_warps=warps, num_stages=stages)
 
 
 # (BM, BN, warps, stages, mode): mode = grid|persist + -inner-ws|-outer-ws|-no-ws.
@@ -100,6 +119,7 @@ def compile_table():
     for d, causal, mode in itertools.product((128, 64), (False, True), MODES):
         for bm, bn, warps, stages in TILES[d]:
             sig = {n: "*bf16" for n in ("Q", "K", "V", "O")}
+            sig["LSE"] = "*fp32"
             sig.update(seqlen="i32", heads="i32", batch="i32", sm_scale="fp32")
             consts = dict(D=d, BM=bm, BN=bn, CAUSAL=causal, PERSISTENT=mode.startswith("persist"),
                           OUTER_WS=mode.endswith("outer-ws"), INNER_WS=mode.endswith("inner-ws"))
@@ -176,5 +196,38 @@ def main():
                         print(f"{tag}: failed {str(e)[:100]!r}", flush=True)
 
 
+def bisect():
+    """Session 12: which of the library kernel's habits costs the persistent causal forward?  The
+    probe's 128x128/4-warp persistent kernel (inner loop specialised) with descriptors built per
+    tile over one head (PER_TILE) and an lse store through a 1-D descriptor (STORE_LSE), next to
+    dualattn's default plan and its opt-in band in the persistent loop (DUALATTN_WS_BAND=1)."""
+    import dualattn.torch_api as dt
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seqlens = [int(x) for x in os.environ.get("PROBE_SEQLENS", "1024,2048,4096").split(",")]
+    d, h = 128, 16
+    for s, causal in itertools.product(seqlens, (True, False)):
+        b = 16384 // s
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        flops = 4 * b * h * s * s * d // (2 if causal else 1)
+        ref = dt.flash_attention(q, q, q, causal=causal)
+        for band in ("0", "1"):
+            os.environ["DUALATTN_WS_BAND"] = band
+            ms = triton.testing.do_bench_cudagraph(lambda: dt.flash_attention(q, q, q, causal=causal), rep=100)
+            print(f"d={d} s={s} causal={causal} dualattn fwd WS_BAND={band}: {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        os.environ["DUALATTN_WS_BAND"] = "0"
+        for per_tile, store_lse in itertools.product((False, True), (False, True)):
+            o = torch.full_like(q, float("nan"))
+
+            def run():
+                launch(q, o, (128, 128, 4, 2, "persist-inner-ws"), causal, sms, per_tile, store_lse)
+            run()
+            err = rel(o, ref)
+            ms = triton.testing.do_bench_cudagraph(run, rep=100)
+            print(f"  probe per_tile={per_tile:d} store_lse={store_lse:d}: {flops / ms / 1e9:.0f} TFLOP/s "
+                  f"(rel err {err:.1e}{'' if err < 2e-2 else ' BAD'})", flush=True)
+
+
 if __name__ == "__main__":
-    {"--compile-table": compile_table, "--interpret-check": interpret_check}.get(sys.argv[-1], main)()
+    {"--compile-table": compile_table, "--interpret-check": interpret_check, "--bisect": bisect}.get(
+        sys.argv[-1], main)()
