@@ -175,14 +175,21 @@ def warp_specialize_everything(monkeypatch):
     flash_plan.forget_plans()
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal-split", "full"])
-def test_warp_specialized_kernels_bitwise_in_both_frameworks_interpreted(causal, warp_specialize_everything, rng):
+@pytest.mark.parametrize("causal,num_sms", [(True, None), (False, None), (True, "2")],
+                         ids=["causal-split", "full", "causal-persistent-band"])
+def test_warp_specialized_kernels_bitwise_in_both_frameworks_interpreted(causal, num_sms, warp_specialize_everything,
+                                                                         monkeypatch, rng):
     """The warp-specialised kernels chained by JAX's launcher (a split band's edges launch resumed
     from fresh buffers; torch resumes in place) give torch's bits, forward and backward
     (interpreter, fp16: it mis-reads bf16 descriptor loads).  On CPU both run the interpreter,
     which needs no global scratch: the DESC_SCRATCH fix is tested offline (tests/jax/test_scratch.py)
-    and on the GPU (below)."""
+    and on the GPU (below).  With an SM count (DUALATTN_NUM_SMS, fewer than the 4 tiles) the causal
+    forward runs persistent with its band in the loop (plan.ws_band_in_loop), in one launch; two
+    programs take two rounds, the second in reverse (rules.program_tile)."""
     shapes, opts = (1, 256, 256, 2, 2, 128), dict(causal=causal)
+    if num_sms is not None:
+        monkeypatch.setenv("DUALATTN_NUM_SMS", num_sms)
+    persistent = num_sms is not None
     plan = warp_specialize_everything
     launches, backwards, real_fwd, real_bwd = [], [], plan.plan_forward, plan.plan_backward
     with pytest.MonkeyPatch.context() as m:
@@ -191,7 +198,8 @@ def test_warp_specialized_kernels_bitwise_in_both_frameworks_interpreted(causal,
         x, kw, dout = _inputs(rng, shapes, opts, dtype=np.float16)
         t = _torch_run(x, kw, dout)
         j = _jax_run(x, kw, dout, "triton")
-    assert launches and all(f.constexpr_dict["WARP_SPECIALIZE"] and (f.then is not None) == causal for f in launches)
+    assert launches and all(f.constexpr_dict["WARP_SPECIALIZE"] and f.constexpr_dict["PERSISTENT"] == persistent
+                            and (f.then is not None) == (causal and not persistent) for f in launches)
     assert len(backwards) == 2 and all(b.dkdv.constexpr_dict["WARP_SPECIALIZE"] and b.dq.constexpr_dict["WARP_SPECIALIZE"]
                                        for b in backwards)
     for key in t:
@@ -217,19 +225,20 @@ def _gpu_both(tensors, causal):
     return [t.detach() for t in (to, *tg)], [torch.from_dlpack(a) for a in (jo, *jg)]
 
 
-def _default_plans(shapes_bshd, causal):
-    """(forward, dQ) launches the default plans give on sm_90 (both launchers ask the same), built as
-    the offline compile tests build them."""
+def _default_plans(shapes_bshd, causal, num_sms):
+    """(forward, dQ) launches the default plans give on sm_90 with num_sms SMs (both launchers ask
+    the same), built as the offline compile tests build them."""
     import test_compile   # tests/ is on sys.path (its conftest)
     b, s, h, d = shapes_bshd
     fwd, bwd, _ = test_compile.Variant("default", batch=b, sq=s, sk=s, hq=h, hkv=h, d=d, causal=causal,
-                                       lse_grad=True, ws=True).build(90)
+                                       lse_grad=True, ws=True, num_sms=num_sms).build(90)
     return fwd, bwd.dq
 
 
-# (B, S, H, D, causal, (forward warp-specialised, split band, dQ warp-specialised) by default on sm_90)
-GPU_CASES = [(2, 4096, 8, 128, False, (True, False, True)), (2, 4096, 8, 64, False, (True, False, False)),
-             (2, 2048, 8, 128, True, (False, False, True)), (1, 8192, 4, 128, True, (True, True, True))]
+# (B, S, H, D, causal, (forward warp-specialised, split band, dQ warp-specialised, forward persistent)
+# by default on an H100 (132 SMs); the causal S=2048 forward runs its band in the persistent loop)
+GPU_CASES = [(2, 4096, 8, 128, False, (True, False, True, True)), (2, 4096, 8, 64, False, (True, False, False, True)),
+             (2, 2048, 8, 128, True, (True, False, True, True)), (1, 8192, 4, 128, True, (True, True, True, False))]
 
 
 @pytest.mark.gpu
@@ -246,8 +255,9 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, ws, case):
         monkeypatch.setenv("DUALATTN_WS", ws)
     b, s, h, d, causal, expected = case
     if ws is None and torch.cuda.get_device_capability()[0] == 9:
-        fwd, dq = _default_plans((b, s, h, d), causal)
-        got = (fwd.constexpr_dict["WARP_SPECIALIZE"], fwd.then is not None, dq.constexpr_dict["WARP_SPECIALIZE"])
+        fwd, dq = _default_plans((b, s, h, d), causal, torch.cuda.get_device_properties(0).multi_processor_count)
+        got = (fwd.constexpr_dict["WARP_SPECIALIZE"], fwd.then is not None, dq.constexpr_dict["WARP_SPECIALIZE"],
+               fwd.constexpr_dict["PERSISTENT"])
         assert got == expected
     t, j = _gpu_both(_gpu_inputs(0, b, s, h, d), causal)
     for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):

@@ -101,8 +101,9 @@ def _forward_layout(forward_plan_flags):
 
 
 # Persistent warp-specialised forwards (plan.persistent_forward): more tiles than SMs, each program
-# looping over tiles; with DUALATTN_WS_BAND=1 (opt-in, plan.ws_band_in_loop) causal and window bands
-# whole in the one loop.  (case, environment): DUALATTN_NUM_SMS gives the interpreter an SM count.
+# looping over tiles; causal and window bands whole in the one loop where plan.ws_band_in_loop says
+# (D=128, at most 2048 keys), and wherever DUALATTN_WS_BAND=1 forces it.  (case, environment):
+# DUALATTN_NUM_SMS gives the interpreter an SM count.
 BAND = {"DUALATTN_WS_BAND": "1"}
 PERSISTENT_CASES = {
     "full": (dict(b=1, sq=512, sk=1024, hq=2, hkv=2, d=128, opts={}), {}),
@@ -148,12 +149,18 @@ def test_persistent_forward_rules(monkeypatch):
     assert layout(**s1024, num_sms=256) == (False, False, 0, False)      # no more tiles than SMs: as before
     assert layout(**s1024, num_sms=100) == (True, True, 0, False)        # more: persistent even below WS_MIN_KEY_WORK
     assert layout(**s1024, d=64, num_sms=100) == (True, True, 0, False)
-    assert layout(**s1024, causal=True, num_sms=100)[:2] == (False, False)   # bands: the portable forward
+    assert layout(sq=1000, sk=1024, batch=2, hq=16, num_sms=100)[:2] == (False, False)  # partial query tile
+    assert layout(**s1024, d=80, num_sms=100)[:2] == (False, False)      # padded head dim: no whole-array tiles
+    assert layout(**s1024, causal=True, num_sms=100) == (True, True, 0, False)   # D=128 band: in the loop
+    assert layout(**s1024, d=64, causal=True, num_sms=100)[:2] == (False, False)  # D=64 band: portable
+    assert layout(sq=4096, sk=4096, batch=1, hq=16, causal=True, num_sms=100)[:2] == (False, False)  # > 2048 keys
     assert layout(sq=1024, sk=8192, batch=2, hq=16, num_sms=100) == (True, False, 0, False)  # long: the grid
     monkeypatch.setenv(flash_plan.WS_BAND_ENV, "1")
-    assert layout(**s1024, causal=True, num_sms=100) == (True, True, 0, False)    # opt-in: band in the loop
+    assert layout(**s1024, d=64, causal=True, num_sms=100) == (True, True, 0, False)  # forced: band in the loop
     ragged = dict(sq=1024, sk=1000, batch=2, hq=16, causal=True, num_sms=100)
     assert layout(**ragged)[:2] == (False, False)                        # partial key tile: no band in the loop
+    monkeypatch.setenv(flash_plan.WS_BAND_ENV, "0")
+    assert layout(**s1024, causal=True, num_sms=100)[:2] == (False, False)   # off: the portable forward
     monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
     assert layout(**s1024, num_sms=100)[:2] == (False, False)            # as before persistence
 

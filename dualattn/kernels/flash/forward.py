@@ -15,21 +15,21 @@ the O and lse the first stored (RESUME_O, RESUME_LSE; launch.Launch.then).
 EDGES_IN_LOOP (portable; plan.edges_in_loop, short bands): the masked edge tiles run in the one
 loop, masked behind a branch, instead of in loops of their own (rules.mask_band_edge).
 PERSISTENT (warp-specialised; plan.persistent_forward, short keys): grid = (SMs,), and each program
-takes the grid's tiles in turn (rules.program_tile).  With it, DUALATTN_WS_BAND=1 (opt-in,
-plan.ws_band_in_loop) runs a causal or window band whole in the specialised loop, masked on every
-tile (BAND_IN_LOOP).
+takes the grid's tiles in turn (rules.program_tile), through descriptors over the whole arrays that
+it builds once (rules.whole_tiles).  At D=128 with short keys (plan.ws_band_in_loop) it runs a causal
+or window band whole in the specialised loop, masked on every tile (BAND_IN_LOOP).
 """
 import triton
 import triton.language as tl
 
 from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias,
                     load_ids, load_rows, load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile,
-                    reduce_max, reduce_sum, row_stats, row_tiles, sequence_bounds, tile_mask, tile_start)
+                    reduce_max, reduce_sum, row_stats, row_tiles, sequence_bounds, tile_mask, tile_start, whole_tiles)
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo, full_hi, BLOCK_LIST,
-               K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
+               K_TILES, V_TILES, k_row0, k_col0, v_col0, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS_ROW,
                stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                seqlen_q, seqlen_k, diag, window_left, window_right,
                sm_scale, softcap, dropout_threshold, dropout_scale,
@@ -43,6 +43,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
     # Dense: [lo, hi) are key positions, stepped by BLOCK_N.  Block-sparse: [lo, hi) index
     # BLOCK_LIST, the active key blocks of this query block.  EDGES_IN_LOOP: [lo, hi) is the
     # whole band and only tiles outside [full_lo, full_hi) take the position mask, in a branch.
+    # k_row0, k_col0, v_col0: where the head starts in whole-array descriptors (rules.whole_tiles), or 0.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     first_block = tl.load(BLOCK_LIST) if BLOCK_SPARSE and SPARSE_CONTIGUOUS else 0
@@ -51,7 +52,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Interior tiles lie inside the sequence, so only head-dim padding needs a mask.
         k = load_rows(K_TILES, start_n, offs_n, stride_ks, seqlen_k, offs_d, HEAD_DIM, POSITIONAL,
-                      BLOCK_D != HEAD_DIM, TMA)  # [BLOCK_N, BLOCK_D]
+                      BLOCK_D != HEAD_DIM, TMA, k_row0, k_col0)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if HAS_BIAS or HAS_SOFTCAP or (POSITIONAL and not (EDGES_IN_LOOP or WARP_SPECIALIZE)):
             bias = 0.0
@@ -89,7 +90,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
             keep = dropout_keep(row_hash, offs_n, dropout_threshold, False)
             p = tl.where(keep, p * dropout_scale, 0.0)
         v = load_rows(V_TILES, start_n, offs_n, stride_vs, seqlen_k, offs_dv, HEAD_DIM_V, POSITIONAL,
-                      BLOCK_DV != HEAD_DIM_V, TMA)  # [BLOCK_N, BLOCK_DV]
+                      BLOCK_DV != HEAD_DIM_V, TMA, k_row0, v_col0)  # [BLOCK_N, BLOCK_DV]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -131,6 +132,18 @@ def flash_fwd_kernel(
     # loop runs once, for this program's tile (a one-trip loop, folded away by the compiler).
     if PERSISTENT:
         work_begin, work_end, work_step = tl.program_id(0), num_work, tl.num_programs(0)
+        # Its descriptors cover the whole arrays and are built once, here (rules.whole_tiles; a
+        # persistent launch is never varlen, so batch b's rows start at b * seqlen).
+        n_batch = num_work // (num_tiles * num_heads_q)
+        Q_ALL = whole_tiles(Q, n_batch * seqlen_q, num_heads_q, stride_qs, stride_qh, HEAD_DIM, BLOCK_M, BLOCK_D)
+        K_ALL = whole_tiles(K, n_batch * seqlen_k, num_heads_q // GROUP_SIZE, stride_ks, stride_kh, HEAD_DIM, BLOCK_N,
+                            BLOCK_D)
+        V_ALL = whole_tiles(V, n_batch * seqlen_k, num_heads_q // GROUP_SIZE, stride_vs, stride_vh, HEAD_DIM_V,
+                            BLOCK_N, BLOCK_DV)
+        O_ALL = whole_tiles(O, n_batch * seqlen_q, num_heads_q, stride_os, stride_oh, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
+        LSE_ALL = tl.make_tensor_descriptor(
+            LSE, shape=[(n_batch - 1) * stride_lse_b + (num_heads_q - 1) * stride_lse_h + seqlen_q], strides=[1],
+            block_shape=[BLOCK_M])
     else:
         work_begin, work_end, work_step = 0, 1, 1
     for work in tl.range(work_begin, work_end, work_step):
@@ -161,11 +174,17 @@ def flash_fwd_kernel(
             V_HEAD = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv * stride_vh
             # The warp-specialised loop wants every tile from a descriptor, q included (a pointer load
             # before it fails the pass as well).
-            Q_TILES = row_tiles(Q_HEAD, q_len, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
+            if PERSISTENT:
+                Q_TILES, K_TILES, V_TILES = Q_ALL, K_ALL, V_ALL
+                q_row0, q_col0 = b * seqlen_q, h * stride_qh
+                k_row0, k_col0, v_col0 = b * seqlen_k, h_kv * stride_kh, h_kv * stride_vh
+            else:
+                Q_TILES = row_tiles(Q_HEAD, q_len, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
+                K_TILES = row_tiles(K_HEAD, k_len, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+                V_TILES = row_tiles(V_HEAD, k_len, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
+                q_row0, q_col0, k_row0, k_col0, v_col0 = 0, 0, 0, 0, 0
             q = load_rows(Q_TILES, m0, offs_m, stride_qs, q_len, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM,
-                          WARP_SPECIALIZE)
-            K_TILES = row_tiles(K_HEAD, k_len, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-            V_TILES = row_tiles(V_HEAD, k_len, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
+                          WARP_SPECIALIZE, q_row0, q_col0)
 
             BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
             MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
@@ -234,7 +253,7 @@ def flash_fwd_kernel(
                     acc, l_i, m_i = _fwd_inner(
                         acc, l_i, m_i, q, q_seg, q_pos, row_hash, mask_offs_m, lo, hi, full_start, full_end,
                         BLOCK_LIST,
-                        K_TILES, V_TILES, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
+                        K_TILES, V_TILES, k_row0, k_col0, v_col0, BIAS_ROW, MASK_ROW, KSEG_ROW, KPOS + b64 * pos_stride_kb,
                         stride_ks, stride_vs, bias_stride_s, mask_stride_s,
                         mask_seqlen_q, k_len, mask_diag, window_left, window_right,
                         sm_scale, softcap, dropout_threshold, dropout_scale,
@@ -249,14 +268,18 @@ def flash_fwd_kernel(
             O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
             # After a warp-specialised loop only TMA stores write every row (pointer stores left rows
             # 64-127 of each tile unwritten on the H100 with Triton 3.6: benchmarks/NOTES.md step 18).
-            if WARP_SPECIALIZE:
+            if PERSISTENT:
+                O_ALL.store([q_row0 + m0, h * stride_oh], out.to(O.dtype.element_ty))
+            elif WARP_SPECIALIZE:
                 row_tiles(O_HEAD, q_len, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True).store(
                     [m0, 0], out.to(O.dtype.element_ty))
             else:
                 tl.store(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
                          mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < HEAD_DIM_V))
             LSE_HEAD = LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
-            if WARP_SPECIALIZE:
+            if PERSISTENT:
+                LSE_ALL.store([b * stride_lse_b + h * stride_lse_h + m0], lse)
+            elif WARP_SPECIALIZE:
                 row_stats(LSE_HEAD, q_len, BLOCK_M, True).store([m0], lse)
             else:
                 tl.store(LSE_HEAD + offs_m, lse, mask=offs_m < q_len)

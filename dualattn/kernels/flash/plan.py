@@ -426,23 +426,43 @@ def persistent_forward(shapes: FlashShapes, num_sms: int, flag: Optional[str] = 
             and (flag == "1" or shapes.seqlen_k <= PERSISTENT_MAX_KEYS))
 
 
+def whole_array_tiles(shapes: FlashShapes, scalars, constexprs) -> bool:
+    """Whether a persistent forward's descriptors can each cover a whole operand as one matrix
+    (rules.whole_tiles): every operand's batches end to end (batch stride = rows * row stride),
+    only full tiles, and unpadded head dims, so no tile reaches into another batch or head."""
+    stride, const = dict(scalars), dict(constexprs)
+    rows = {"q": shapes.seqlen_q, "k": shapes.seqlen_k, "v": shapes.seqlen_k, "o": shapes.seqlen_q}
+    return (not shapes.varlen and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
+            and const["BLOCK_D"] == const["HEAD_DIM"] and const["BLOCK_DV"] == const["HEAD_DIM_V"]
+            and (shapes.batch == 1 or all(stride[f"stride_{x}b"] == n * stride[f"stride_{x}s"] for x, n in rows.items())))
+
+
 WS_BAND_ENV = "DUALATTN_WS_BAND"
 
 
+# Where a persistent forward runs a causal or window band whole in its one specialised loop by
+# default (kernel time against the portable one-loop band, 16k tokens, causal; NOTES step 26): D=128
+# +15% at S=1024, +5% at 2048, -1% at 4096; D=64 -12 to -18% (its loop is bound by exp2: step 21).
+WS_BAND_MAX_KEYS = 2048
+WS_BAND_MIN_HEAD_DIM = 128      # padded head dim (BLOCK_D / BLOCK_DV)
+
+
 def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Optional[str] = None) -> bool:
-    """Opt-in (DUALATTN_WS_BAND=1): a persistent warp-specialised forward runs a causal or window band
-    whole in its one loop, position-masked on every tile (BAND_IN_LOOP, with the backward's
-    three-operation band test), in place of the split pair (split_band) or the portable kernel.
-    Needs every tile inside the sequences (Sq and Sk multiples of WS_TILE), so the test has no
-    bounds checks.  Not the default: it measured slower everywhere, on a grid (NOTES step 21: -4 to
-    -8% at D=128, -20 to -27% at D=64) and persistent (step 25: -9 to -17% at D=128 S >= 2048, -12%
-    at S=1024, and -25% at D=64)."""
+    """Whether a persistent warp-specialised forward runs a causal or window band whole in its one
+    loop, position-masked on every tile (BAND_IN_LOOP, the backward's three-operation band test), in
+    place of the split pair (split_band) or the portable kernel: at D=128 with at most
+    WS_BAND_MAX_KEYS keys.  Needs every tile inside the sequences (Sq and Sk multiples of WS_TILE),
+    so the test has no bounds checks.  It paid only once the persistent programs built their
+    descriptors once and took the tiles head-major in rounds of alternating direction (NOTES step
+    26); on a grid it lost (step 21).  flag: DUALATTN_WS_BAND, "0" / "1" turn it off / on whatever
+    the head dim and keys (A/B runs)."""
     const = dict(constexprs)
-    return (flag == "1" and persistent and (const["HAS_LEFT"] or const["HAS_RIGHT"])
-            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0)
+    return (flag != "0" and persistent and (const["HAS_LEFT"] or const["HAS_RIGHT"])
+            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
+            and (flag == "1" or (max(const["BLOCK_D"], const["BLOCK_DV"]) >= WS_BAND_MIN_HEAD_DIM
+                                 and shapes.seqlen_k <= WS_BAND_MAX_KEYS)))
 
 
-# The environment switches the plans read (A/B runs); their values are part of every plan's memo key.
 PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV)
 
 
@@ -464,7 +484,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     switch = dict(env)
-    persistent = persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
+    persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
+                  and whole_array_tiles(shapes, scalars, constexprs))
     ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
         persistent and _warp_specializable(shapes, sparse, constexprs)))
     split = ws and split_band(shapes, constexprs)

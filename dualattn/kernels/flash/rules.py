@@ -275,11 +275,28 @@ def row_tiles(HEAD, n_rows, stride_s, N_COLS: tl.constexpr, BLOCK_ROWS: tl.const
 
 
 @triton.jit
+def whole_tiles(BASE, n_rows, n_heads, stride_s, stride_h, N_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr):
+    """A TMA descriptor over a whole [batch, rows, heads, N_COLS] operand, seen as a
+    [batch * rows, heads * stride_h] matrix (tile of batch b, head h at row b * rows + start,
+    column h * stride_h), for persistent programs to build once: each build is a fenced write to
+    global scratch, and per tile it cost the persistent probe 8% at causal S=1024
+    (benchmarks/NOTES.md step 26).  Legal where plan.whole_array_tiles holds: batches end to end
+    (batch stride = rows * row stride), rows a multiple of BLOCK_ROWS and N_COLS == BLOCK_COLS, so
+    no tile reaches into another batch or head.  (Not a rank-4 [batch, rows, heads, cols]
+    descriptor: Triton 3.7's warp specialisation splits a tile's rows over two consumer
+    warpgroups and fails on the reshape from [1, rows, 1, cols].)"""
+    return tl.make_tensor_descriptor(BASE, shape=[n_rows, (n_heads - 1) * stride_h + N_COLS],
+                                     strides=[stride_s, 1], block_shape=[BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
 def load_rows(TILES, start, offs_r, stride_s, row_limit, offs_c, col_limit, CHECK_ROWS: tl.constexpr,
-              CHECK_COLS: tl.constexpr, TMA: tl.constexpr):
-    """The [R, C] tile of rows start + offs_r from what row_tiles returned (offs_r starts at start)."""
+              CHECK_COLS: tl.constexpr, TMA: tl.constexpr, row0=0, col0=0):
+    """The [R, C] tile of rows start + offs_r from what row_tiles returned (offs_r starts at start);
+    row0, col0: where the head starts in whole_tiles' matrix."""
     if TMA:
-        return TILES.load([start, 0])
+        return TILES.load([row0 + start, col0])
     else:
         return load_tile(TILES + offs_r[:, None] * stride_s + offs_c[None, :], offs_r, row_limit, offs_c,
                          col_limit, CHECK_ROWS, CHECK_COLS)
@@ -388,22 +405,25 @@ def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE:
     programs instead of the last heads' long ones, while the programs in flight still share
     a few heads' K/V in L2 (tile-major over all heads re-read K/V from DRAM: 40% slower at
     S=2048, benchmarks/NOTES.md step 11).  Even work keeps head-major order.  Persistent
-    programs take UNEVEN work tile-major over all heads instead: each round of items then has
-    one or two tile lengths, so every program gets a like share (with the grouped order, whose
-    lengths repeat every group, a stride of the program count dealt some programs only the long
-    tiles: -23% at S=4096, NOTES step 25).
+    programs take UNEVEN work head-major in rounds of alternating direction (below; the grouped
+    order, whose lengths repeat every group, dealt some programs only the long tiles: -23% at
+    S=4096, and tile-major over all heads lost L2 sharing: NOTES steps 25, 26).
     """
     if PERSISTENT:
         n_tiles = num_tiles
-        n_bh = num_work // num_tiles
         if UNEVEN and not BLOCK_SPARSE:
-            tile = work // n_bh
-            pid_bh = work % n_bh
-            if HEAVY_LAST:
-                tile = n_tiles - 1 - tile
-        else:
-            tile = work % n_tiles
-            pid_bh = work // n_tiles
+            # Head-major (the programs in flight share a few heads' K/V in L2), in rounds of one
+            # item per program that alternate direction: a program that drew a long tile in one
+            # round draws a short one in the next, so every program's share evens out over a few
+            # rounds.  (A last partial round keeps its direction, to stay inside num_work.)
+            programs = tl.num_programs(0)
+            round_ = work // programs
+            backward = (round_ % 2 == 1) & ((round_ + 1) * programs <= num_work)
+            work = tl.where(backward, round_ * programs + programs - 1 - work % programs, work)
+        tile = work % n_tiles
+        pid_bh = work // n_tiles
+        if UNEVEN and HEAVY_LAST and not BLOCK_SPARSE:
+            tile = n_tiles - 1 - tile
     else:
         tile = tl.program_id(0)
         pid_bh = tl.program_id(1)
