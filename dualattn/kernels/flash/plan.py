@@ -451,14 +451,13 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Opt
     """Whether a persistent warp-specialised forward runs a causal or window band whole in its one
     loop, position-masked on every tile (BAND_IN_LOOP, the backward's three-operation band test), in
     place of the split pair (split_band) or the portable kernel: at D=128 with at most
-    WS_BAND_MAX_KEYS keys.  Needs every tile inside the sequences (Sq and Sk multiples of WS_TILE),
-    so the test has no bounds checks.  It paid only once the persistent programs built their
+    WS_BAND_MAX_KEYS keys.  Needs every tile inside the sequences, so the test has no bounds checks:
+    a persistent launch has that already (whole_array_tiles: Sq and Sk multiples of WS_TILE).  It paid only once the persistent programs built their
     descriptors once and took the tiles head-major in rounds of alternating direction (NOTES step
     26); on a grid it lost (step 21).  flag: DUALATTN_WS_BAND, "0" / "1" turn it off / on whatever
     the head dim and keys (A/B runs)."""
     const = dict(constexprs)
     return (flag != "0" and persistent and (const["HAS_LEFT"] or const["HAS_RIGHT"])
-            and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
             and (flag == "1" or (max(const["BLOCK_D"], const["BLOCK_DV"]) >= WS_BAND_MIN_HEAD_DIM
                                  and shapes.seqlen_k <= WS_BAND_MAX_KEYS)))
 
