@@ -5,6 +5,7 @@ PYTHONPATH names, the setting what the environment says.
     for t in /tmp/base $PWD /tmp/base $PWD; do PYTHONPATH=$t python benchmarks/ab_trees.py $(basename $t) out_$(basename $t).json; done
     for e in 0 1 0 1; do DUALATTN_EDGES_IN_LOOP=$e python benchmarks/ab_trees.py e$e e$e.json 1024,2048 128,64 --kernel-time; done
     python benchmarks/ab_trees.py rule0 rule0.json 1024 128 --kernel-time WS_MIN_KEY_WORK=0
+    python benchmarks/ab_trees.py dq64 dq64.json 2048 64 --kernel-time "WS_DQ_TILES[64]=128x128x4x2"
 
 Times the torch path's forward and forward+backward (TFLOP/s) at D=128 (H=16) and D=64 (H=32) (or the
 comma-separated fourth argument's head dims), 16k tokens, S = 2048 and 8192 (or the comma-separated
@@ -12,7 +13,7 @@ third argument), causal and not.  Default: do_bench medians of back-to-back call
 --kernel-time: CUDA-graph replays (do_bench_cudagraph), so the torch path's host time (as long as the
 kernels at S=1024) can neither mask nor fake a difference; it also prints the backward (the
 difference).  NAME=VALUE sets an integer constant of dualattn.kernels.flash.plan first (a rule's
-threshold).  Alternate the trees: the spread between rounds of one tree is the noise any difference
+threshold); TABLE[D]=BMxBNxWARPSxSTAGES one entry of a tile table.  Alternate the trees: the spread between rounds of one tree is the noise any difference
 must beat (benchmarks/NOTES.md).
 """
 import json
@@ -70,6 +71,11 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     for patch in (a for a in args if "=" in a):
         name, value = patch.split("=")
+        if "[" in name:   # TABLE[head_dim]=BMxBNxWARPSxSTAGES: one tile of a plan table (e.g. WS_DQ_TILES)
+            table, key = name.rstrip("]").split("[")
+            assert isinstance(getattr(flash_plan, table, None), dict), f"no table {table} in dualattn.kernels.flash.plan"
+            getattr(flash_plan, table)[int(key)] = flash_plan.TileConfig(*(int(x) for x in value.split("x")))
+            continue
         assert isinstance(getattr(flash_plan, name, None), int), f"no int constant {name} in dualattn.kernels.flash.plan"
         setattr(flash_plan, name, int(value))
     positional = [a for a in args if "=" not in a and not a.startswith("--")]

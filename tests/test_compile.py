@@ -65,7 +65,7 @@ class Variant:
     tma: bool = False                   # ask for TMA tile loads, as the torch launcher does on sm_90
     lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
     ws: bool = False                    # allow the warp-specialised kernels, as the launchers do on sm_90
-    num_sms: int = 0                    # the GPU's SMs as the launchers pass them (persistent forward)
+    num_sms: int = 0                    # the GPU's SMs as the launchers pass them (persistent launches)
 
     def build(self, arch: int):
         """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
@@ -116,7 +116,8 @@ class Variant:
         fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma,
                                       warp_specialize=self.ws, num_sms=self.num_sms, **extra)
         bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
-                                       lse_grad=self.lse_grad, warp_specialize=self.ws, **extra)
+                                       lse_grad=self.lse_grad, warp_specialize=self.ws, num_sms=self.num_sms,
+                                       **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
                       resume_out=self.dtype, resume_lse="float32")   # a split band's edges launch
         if self.lse_grad:
@@ -312,8 +313,13 @@ WS_BWD = (
     # Bands run whole in the one loop, masked on every tile.
     Variant("ws-bwd-bf16-d128-causal", sq=2048, sk=2048, causal=True, ws=True),
     Variant("ws-bwd-fp16-d128-window-cross", dtype="float16", sq=2048, sk=4096, window=(1000, 300), ws=True),
-    # D=64 specialises dK/dV only, and only with a band (plan.WS_DKDV_BANDED_TILES).
+    # D=64 specialises dK/dV only, with a band or persistent (plan.WS_DKDV_BANDED_OR_PERSISTENT_TILES).
     Variant("ws-bwd-bf16-d64-causal", d=64, sq=4096, sk=4096, causal=True, ws=True),
+    # Persistent (more tiles than SMs, plan.persistent_backward): a loop over tiles around each specialised loop.
+    Variant("ws-bwd-persistent-bf16-d128", sq=2048, sk=2048, ws=True, num_sms=7),
+    Variant("ws-bwd-persistent-fp16-d128-causal-sinks", dtype="float16", sq=2048, sk=2048, causal=True,
+            sinks=("head", 1), lse_grad=True, ws=True, num_sms=3),
+    Variant("ws-bwd-persistent-bf16-d64-causal", d=64, sq=4096, sk=4096, causal=True, ws=True, num_sms=5),
 )
 
 
@@ -326,6 +332,11 @@ def test_compile_warp_specialized_backward(variant, kernel):
     ptx = _run_case(variant, kernel, 90)[1]
     assert "setmaxnreg" in ptx, f"{variant.name}: the {kernel} loop was not warp-specialised"
     assert "cp.async.bulk.tensor" in ptx
+    assert const["PERSISTENT"] == (variant.num_sms > 0), variant.name
+    if variant.num_sms:
+        assert launch.grid == (variant.num_sms, 1, 1)
+        tiles = (variant.sk // 128) * variant.hkv if kernel == "dkdv" else (variant.sq // 128) * variant.hq
+        assert dict(launch.scalars)["num_work"] == tiles * variant.batch
 
 
 def test_plan_keeps_the_portable_backward_where_one_loop_cannot_do():

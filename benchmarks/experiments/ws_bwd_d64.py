@@ -29,7 +29,7 @@ for s in (4096, 16384):
         for rnd in range(2):
             for name, tiles in VARIANTS.items():
                 dkdv, dq = tiles
-                for table, tile in ((flash_plan.WS_DKDV_TILES, dkdv), (flash_plan.WS_DKDV_BANDED_TILES, dkdv),
+                for table, tile in ((flash_plan.WS_DKDV_TILES, dkdv), (flash_plan.WS_DKDV_BANDED_OR_PERSISTENT_TILES, dkdv),
                                     (flash_plan.WS_DQ_TILES, dq)):
                     table.pop(64, None)
                     if tile is not None:

@@ -40,7 +40,7 @@ class _Static:
     sparse: Optional[flash_plan.SparseInfo] = None  # block-sparse layout; its lists are in the arrays
     tma: bool = False               # plan flags, as the torch launcher sets them (_descriptor_flags)
     warp_specialize: bool = False
-    num_sms: int = 0                # the GPU's SMs, for a persistent forward (plan.persistent_forward)
+    num_sms: int = 0                # the GPU's SMs, for persistent launches (plan.persistent_forward, _backward)
 
 
 def _strides(arrays: dict) -> dict:
@@ -73,7 +73,8 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     shapes = static.shapes
     plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
-                                    tma=static.tma, warp_specialize=static.warp_specialize, lse_grad=True)
+                                    tma=static.tma, warp_specialize=static.warp_specialize, lse_grad=True,
+                                    num_sms=static.num_sms)
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]

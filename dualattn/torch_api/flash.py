@@ -240,7 +240,8 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
              lse=lse.contiguous(), dlse=None if dlse is None else dlse.float().contiguous())
     plan = flash_plan.plan_backward(shapes, r.options, _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
                                     config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                    lse_grad=dlse is not None, warp_specialize=_warp_specialize(a))
+                                    lse_grad=dlse is not None, warp_specialize=_warp_specialize(a),
+                                    num_sms=_num_sms(a))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)

@@ -17,9 +17,13 @@ import test_compile as tc  # noqa: E402  (tests/ is on sys.path: its conftest)
 from dualattn.jax_api import _scratch  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 
-# The warp-specialised forward and backward, and a portable TMA forward.
+# The warp-specialised forward and backward (on a grid and persistent), and a portable TMA forward.
 CASES = [pytest.param(tc.WS_FAST[0], "fwd", id="ws-fwd"), pytest.param(tc.WS_BWD[3], "dkdv", id="ws-dkdv-causal"),
-         pytest.param(tc.WS_BWD[0], "dq", id="ws-dq"), pytest.param(tc.TMA_FAST[0], "fwd", id="tma-fwd")]
+         pytest.param(tc.WS_BWD[0], "dq", id="ws-dq"), pytest.param(tc.TMA_FAST[0], "fwd", id="tma-fwd"),
+         # Persistent: a program per SM builds its descriptors once, over the whole arrays.
+         pytest.param(tc.WS_FAST[3], "fwd", id="ws-fwd-persistent"),
+         pytest.param(tc.WS_BWD[7], "dkdv", id="ws-dkdv-persistent-causal"),
+         pytest.param(tc.WS_BWD[6], "dq", id="ws-dq-persistent")]
 
 
 def _compiled(variant, kernel):

@@ -5,7 +5,8 @@ One TMA loop over every unmasked key tile, TMA stores, WS_TILE in place of the c
 forward tile; causal and window bands and a partial last key tile add a second, portable launch
 over the masked edges that resumes from the first's O and lse (plan.split_band).  With more tiles
 than SMs and short keys the forward runs persistent (plan.persistent_forward; opt-in with it, the
-band whole in the specialised loop, plan.ws_band_in_loop).  Checked against the float64 reference
+band whole in the specialised loop, plan.ws_band_in_loop), and so does the specialised backward
+(plan.persistent_backward).  Checked against the float64 reference
 (forward, lse, and gradients, which the portable backward computes from this forward's lse), on the CPU
 interpreter (DUALATTN_WS=1; fp16, as the interpreter mis-reads bf16 descriptor loads) and on
 the GPU.  Each test also checks the plan took the variant, so none can pass by never running it.
@@ -197,7 +198,7 @@ BWD_CASES = {
     "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
     "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
     "d64-causal": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, opts=dict(causal=True)), (True, False)),
-    # Head dims padded to 64 take the D=64 tiles (plan.WS_DKDV_BANDED_TILES is keyed by padded width).
+    # Head dims padded to 64 take the D=64 tiles (plan.WS_DKDV_BANDED_OR_PERSISTENT_TILES: by padded width).
     "d48-causal": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=48, opts=dict(causal=True)), (True, False)),
     # Bands run whole in the one loop, position-masked on every tile.
     "causal": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(causal=True)), (True, True)),
@@ -217,6 +218,77 @@ def test_warp_specialized_backward_interpreted(case, monkeypatch, backward_plan_
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
     assert backward_plan_flags == [want], backward_plan_flags
+
+
+# The persistent warp-specialised backward (plan.persistent_backward): more 128-row tiles than SMs in
+# both kernels (DUALATTN_NUM_SMS=3: every program takes several tiles, bands in rounds of alternating
+# direction), no work bar.  (case, (dK/dV, dQ) (warp-specialised, persistent)).
+PERSISTENT_BWD_CASES = {
+    "d128-batches": (dict(b=2, sq=256, sk=512, hq=2, hkv=2, d=128, opts={}), ((True, True), (True, True))),
+    "causal-sinks": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(causal=True), sinks=True),
+                     ((True, True), (True, True))),
+    # Bottom-right causal with more queries than keys: the first 128 rows see nothing.
+    "causal-empty-rows": (dict(b=1, sq=384, sk=256, hq=2, hkv=2, d=128, opts=dict(causal=True)),
+                          ((True, True), (True, True))),
+    "window-batches": (dict(b=2, sq=256, sk=256, hq=2, hkv=2, d=128, opts=dict(sliding_window=(100, 20))),
+                       ((True, True), (True, True))),
+    "d64-causal": (dict(b=1, sq=256, sk=512, hq=2, hkv=2, d=64, opts=dict(causal=True)),
+                   ((True, True), (False, False))),
+    "d64": (dict(b=2, sq=256, sk=256, hq=2, hkv=2, d=64, opts={}), ((True, True), (False, False))),
+    # GQA: dQ alone specialised; a padded head dim (96 -> 128) cannot take whole-array descriptors.
+    "gqa": (dict(b=1, sq=512, sk=256, hq=4, hkv=2, d=128, opts={}), ((False, False), (True, True))),
+    # (Not persistent, so the work bar stands: portable, as on a grid.)
+    "d96-padded": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=96, opts={}), ((False, False), (False, False))),
+}
+
+
+def _check_persistent_backward(case, monkeypatch, **check):
+    """The case against the reference with DUALATTN_NUM_SMS=3, checking each backward kernel's
+    (warp-specialised, persistent) layout."""
+    c, want = dict(PERSISTENT_BWD_CASES[case][0]), PERSISTENT_BWD_CASES[case][1]
+    monkeypatch.setenv("DUALATTN_NUM_SMS", "3")
+    layouts, real = [], flash_plan.plan_backward
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        layouts.append(tuple((k.constexpr_dict["WARP_SPECIALIZE"], k.constexpr_dict["PERSISTENT"])
+                             for k in (plan.dkdv, plan.dq)))
+        return plan
+
+    monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), **check, **c)
+    assert layouts == [want], layouts
+
+
+@pytest.mark.parametrize("case", sorted(PERSISTENT_BWD_CASES))
+def test_persistent_backward_interpreted(case, monkeypatch, seed):
+    monkeypatch.setenv("DUALATTN_WS", "1")
+    _check_persistent_backward(case, monkeypatch, device="cpu", dtype=torch.float16, seed=seed, tol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(PERSISTENT_BWD_CASES))
+def test_gpu_persistent_backward(case, monkeypatch, seed):
+    """The same small cases on the H100, with 3 persistent programs (real-SM-count persistent
+    backwards run in test_gpu_warp_specialized_backward's long cases)."""
+    _require_sm90()
+    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    _check_persistent_backward(case, monkeypatch, device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2)
+
+
+def test_persistent_backward_rule():
+    """Persistent where the specialised kernels have more tiles than SMs and at most
+    PERSISTENT_BWD_MAX_KEYS keys; the work bar then drops (S=1024 causal specialises)."""
+    from test_compile import Variant
+    # (Variant: B=2, H=4, so S=1024 has 64 tiles a kernel.)
+    for sq, causal, num_sms, want in ((1024, True, 10, (True, True)), (1024, True, 0, (False, False)),
+                                      (1024, True, 64, (False, False)), (8192, False, 10, (True, False)),
+                                      (4096, False, 10, (True, True))):
+        _, bwd, _ = Variant("rule", sq=sq, sk=sq, causal=causal, ws=True, num_sms=num_sms).build(90)
+        got = (bwd.dq.constexpr_dict["WARP_SPECIALIZE"], bwd.dq.constexpr_dict["PERSISTENT"])
+        assert got == want, (sq, causal, num_sms, got)
+        assert bwd.dkdv.constexpr_dict["PERSISTENT"] == want[1]
 
 
 def test_warp_specialize_off_by_default_on_cpu_and_with_ws_0(monkeypatch, forward_plan_flags):
@@ -316,7 +388,8 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
                                           sinks=True), (True, True)),
     "window-d128-cross": (dict(b=1, sq=2048, sk=4096, hq=4, hkv=4, d=128, opts=dict(sliding_window=(700, 300))),
                           (True, True)),
-    # D=64: only a banded dK/dV specialises (plan.WS_DKDV_BANDED_TILES).
+    # D=64: dK/dV alone specialises, with a band or persistent (plan.WS_DKDV_BANDED_OR_PERSISTENT_TILES);
+    # "d64" has 128 tiles a kernel, fewer than the H100's 132 SMs, so it runs on a grid, unspecialised.
     "causal-d64": (dict(b=2, sq=4096, sk=4096, hq=4, hkv=4, d=64, opts=dict(causal=True)), (True, False)),
     "window-d64-empty-rows": (dict(b=1, sq=4352, sk=4096, hq=2, hkv=2, d=64, opts=dict(sliding_window=(500, 0))),
                               (True, False)),

@@ -24,7 +24,8 @@ import triton.language as tl
 
 from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias,
                     load_ids, load_rows, load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile,
-                    reduce_max, reduce_sum, row_stats, row_tiles, sequence_bounds, tile_mask, tile_start, whole_tiles)
+                    reduce_max, reduce_sum, row_stats, row_tiles, sequence_bounds, tile_mask, tile_start,
+                    whole_stats, whole_tiles)
 
 
 @triton.jit
@@ -130,6 +131,8 @@ def flash_fwd_kernel(
     # PERSISTENT (plan.persistent_forward): a program per SM takes the grid's tiles in turn, so
     # each SM sets up a warp-specialised program once instead of once per tile.  Otherwise the
     # loop runs once, for this program's tile (a one-trip loop, folded away by the compiler).
+    # (Inline, not a helper: a @jit function's return values become tensors, constants included,
+    # and then the grid's kernels no longer compile to the same code.)
     if PERSISTENT:
         work_begin, work_end, work_step = tl.program_id(0), num_work, tl.num_programs(0)
         # Its descriptors cover the whole arrays and are built once, here (rules.whole_tiles; a
@@ -141,9 +144,7 @@ def flash_fwd_kernel(
         V_ALL = whole_tiles(V, n_batch * seqlen_k, num_heads_q // GROUP_SIZE, stride_vs, stride_vh, HEAD_DIM_V,
                             BLOCK_N, BLOCK_DV)
         O_ALL = whole_tiles(O, n_batch * seqlen_q, num_heads_q, stride_os, stride_oh, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
-        LSE_ALL = tl.make_tensor_descriptor(
-            LSE, shape=[(n_batch - 1) * stride_lse_b + (num_heads_q - 1) * stride_lse_h + seqlen_q], strides=[1],
-            block_shape=[BLOCK_M])
+        LSE_ALL = whole_stats(LSE, n_batch, stride_lse_b, stride_lse_h, num_heads_q, seqlen_q, BLOCK_M)
     else:
         work_begin, work_end, work_step = 0, 1, 1
     for work in tl.range(work_begin, work_end, work_step):

@@ -426,6 +426,21 @@ def persistent_forward(shapes: FlashShapes, num_sms: int, flag: Optional[str] = 
             and (flag == "1" or shapes.seqlen_k <= PERSISTENT_MAX_KEYS))
 
 
+# The warp-specialised backward kernels run persistent too: more 128-row tiles than SMs in each, at
+# most PERSISTENT_BWD_MAX_KEYS keys, whole-array descriptors.  Kernel time against the grid (NOTES
+# step 27), backward alone: D=128 non-causal +15% at S=1024, +8.5% at 2048, +3% at 4096; causal
+# +12% at 2048, 0 at 4096; D=64 causal (dK/dV) +8.5% at 4096.  With every length persistent
+# (DUALATTN_PERSISTENT=1): 0 non-causal and -5% causal at S=8192.
+PERSISTENT_BWD_MAX_KEYS = 4096
+
+
+def persistent_backward(shapes: FlashShapes, tiles: int, num_sms: int, flag: Optional[str] = None) -> bool:
+    """Whether the warp-specialised backward kernels, `tiles` grid tiles in the smaller, run
+    persistent: as persistent_forward, with PERSISTENT_BWD_MAX_KEYS."""
+    return (flag != "0" and num_sms > 0 and tiles > num_sms
+            and (flag == "1" or shapes.seqlen_k <= PERSISTENT_BWD_MAX_KEYS))
+
+
 def whole_array_tiles(shapes: FlashShapes, scalars, constexprs) -> bool:
     """Whether a persistent forward's descriptors can each cover a whole operand as one matrix
     (rules.whole_tiles): every operand's batches end to end (batch stride = rows * row stride),
@@ -530,10 +545,11 @@ FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 # probe (benchmarks/experiments/ws_bwd_probe.py, NOTES step 20): the tile a program owns must be
 # 128 rows, which the pass splits over two consumer warpgroups (64-row ones ran both on the same
 # rows: half speed).  D=64: the specialised dQ loses to the portable one (probe; and in ours by
-# 3-16%, NOTES step 23), and the specialised dK/dV gains only where a causal or window band
-# masks tiles, which cost the portable kernel more: +4-12% there, -4 to +5% unmasked (steps 20, 23).
+# 3-16%, NOTES step 23; persistent, by 5-9%, step 27), and the specialised dK/dV gains on a grid
+# only where a causal or window band masks tiles, which cost the portable kernel more: +4-12%
+# there, -4 to +5% unmasked (steps 20, 23).  Persistent, it also gains unmasked: +6-8% (step 27).
 WS_DKDV_TILES = {128: TileConfig(64, 128, 4, 2)}
-WS_DKDV_BANDED_TILES = {**WS_DKDV_TILES, 64: TileConfig(64, 128, 4, 2)}
+WS_DKDV_BANDED_OR_PERSISTENT_TILES = {**WS_DKDV_TILES, 64: TileConfig(64, 128, 4, 2)}
 WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
 # A lower bar than WS_MIN_KEY_WORK for the least Sq * D and Sk * D (D: the larger head dim, unpadded)
 # at which the specialised backward of problems without a band pays, by padded head dim.  Kernel
@@ -542,7 +558,7 @@ WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
 WS_BWD_MIN_WORK = {128: 1 << 17}
 
 
-def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs
+def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs, persistent: bool = False
                               ) -> Tuple[Optional[TileConfig], Optional[TileConfig]]:
     """The warp-specialised (dK/dV, dQ) tiles where the backward can take them (None: portable).
 
@@ -551,16 +567,22 @@ def warp_specialized_backward(shapes: FlashShapes, sparse: Optional[SparseInfo],
     WS_MIN_KEY_WORK (without a band, WS_BWD_MIN_WORK's bar for the width where lower); and for dK/dV
     one query head per KV head,
     since its GQA loop over the group's heads would be a second loop.  A causal or window band runs
-    whole in the one loop, position-masked on every tile (backward.py)."""
+    whole in the one loop, position-masked on every tile (backward.py).  `persistent`: the kernels
+    would run persistent (persistent_backward), which drops the work bar: the bar kept short
+    programs off the per-program set-up that persistence pays once per SM (kernel time at S=1024,
+    NOTES step 27: causal backward +23% at D=128, +7% at D=64, non-causal D=128 +2%), and lets
+    D=64 dK/dV specialise without a band (WS_DKDV_BANDED_OR_PERSISTENT_TILES)."""
     const = dict(constexprs)
     width = max(const["BLOCK_D"], const["BLOCK_DV"])
     banded = const["HAS_LEFT"] or const["HAS_RIGHT"]
     min_work = WS_MIN_KEY_WORK if banded else min(WS_MIN_KEY_WORK, WS_BWD_MIN_WORK.get(width, WS_MIN_KEY_WORK))
+    if persistent:
+        min_work = 0
     if not (_warp_specializable(shapes, sparse, constexprs)
             and shapes.seqlen_q % WS_TILE.block_m == 0 and shapes.seqlen_k % WS_TILE.block_n == 0
             and min(shapes.seqlen_q, shapes.seqlen_k) * max(shapes.head_dim, shapes.head_dim_v) >= min_work):
         return None, None
-    dkdv_tiles = WS_DKDV_BANDED_TILES if banded else WS_DKDV_TILES
+    dkdv_tiles = WS_DKDV_BANDED_OR_PERSISTENT_TILES if banded or persistent else WS_DKDV_TILES
     return (dkdv_tiles.get(width) if shapes.group_size == 1 else None), WS_DQ_TILES.get(width)
 
 
@@ -575,13 +597,13 @@ class BackwardPlan:
 @_memoised
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                  tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False,
+                  tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
                   env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
     warp_specialize: as plan_forward's; eligible kernels take the tiles warp_specialized_backward
-    gives in place of config's.
+    gives in place of config's.  num_sms: as plan_forward's (persistent_backward).
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
@@ -623,36 +645,54 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
 
     use_tma = _use_tma(tma, shapes, constexprs)
-    ws_dkdv, ws_dq = warp_specialized_backward(shapes, sparse, constexprs) if warp_specialize else (None, None)
+    # Both specialised kernels own 128-row tiles (WS_DKDV_TILES' keys, WS_DQ_TILES' queries).
+    ws_tiles = min(cdiv(shapes.seqlen_k, WS_TILE.block_n) * shapes.heads_kv,
+                   cdiv(shapes.seqlen_q, WS_TILE.block_m) * shapes.heads_q) * shapes.batch
+    persistent = (warp_specialize and whole_array_tiles(shapes, scalars, constexprs)
+                  and persistent_backward(shapes, ws_tiles, num_sms, dict(env).get(PERSISTENT_ENV)))
+    ws_dkdv, ws_dq = (warp_specialized_backward(shapes, sparse, constexprs, persistent) if warp_specialize
+                      else (None, None))
     edges = edges_in_loop(shapes, options, sparse, constexprs, dict(env).get(EDGES_IN_LOOP_ENV))
+
+    def persistent_grid(grid, warp_specialized: bool):
+        """(grid, num_work, persistent) of a backward kernel: a program per SM where specialised."""
+        if warp_specialized and persistent:
+            return (num_sms, 1, 1), grid[0] * grid[1], True
+        return grid, 0, False
+
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = ws_dkdv or config.bwd_dkdv
-    grid = (cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1)
+    grid, num_work, dkdv_persistent = persistent_grid(
+        (cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1), bool(ws_dkdv))
     dkdv = Launch(
         module="flash.backward", kernel="flash_bwd_dkdv_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
         scalars=scalars + tuple(zip(("stride_dkb", "stride_dks", "stride_dkh"), grad_strides("dk", k_shape)))
         + tuple(zip(("stride_dvb", "stride_dvs", "stride_dvh"), grad_strides("dv", v_shape)))
-        + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)),
+        + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)) + (("num_work", num_work),),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias),
                  desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
-                                 ("WARP_SPECIALIZE", bool(ws_dkdv)), ("EDGES_IN_LOOP", not ws_dkdv and edges)),
+                                 ("WARP_SPECIALIZE", bool(ws_dkdv)), ("EDGES_IN_LOOP", not ws_dkdv and edges),
+                                 ("PERSISTENT", dkdv_persistent)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     t = ws_dq or config.bwd_dq
-    grid = (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1)
+    grid, num_work, dq_persistent = persistent_grid(
+        (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1), bool(ws_dq))
     dq = Launch(
         module="flash.backward", kernel="flash_bwd_dq_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
-        scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape))),
+        scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape)))
+        + (("num_work", num_work),),
         outputs=(Output("dquery", q_shape, "like:query"), desc_scratch(grid, use_tma or bool(ws_dq))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dq)),
-                                 ("WARP_SPECIALIZE", bool(ws_dq)), ("EDGES_IN_LOOP", not ws_dq and edges)),
+                                 ("WARP_SPECIALIZE", bool(ws_dq)), ("EDGES_IN_LOOP", not ws_dq and edges),
+                                 ("PERSISTENT", dq_persistent)),
         num_warps=t.num_warps, num_stages=t.num_stages)
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
 

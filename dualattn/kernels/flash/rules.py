@@ -291,6 +291,14 @@ def whole_tiles(BASE, n_rows, n_heads, stride_s, stride_h, N_COLS: tl.constexpr,
 
 
 @triton.jit
+def whole_stats(STATS, n_batch, stride_b, stride_h, n_heads, n_rows, BLOCK: tl.constexpr):
+    """A 1-D TMA descriptor over a whole (batch, heads, rows) fp32 statistics buffer (lse, delta)
+    for persistent programs (whole_tiles' companion): head h of batch b starts at b * stride_b +
+    h * stride_h."""
+    return row_stats(STATS, (n_batch - 1) * stride_b + (n_heads - 1) * stride_h + n_rows, BLOCK, True)
+
+
+@triton.jit
 def load_rows(TILES, start, offs_r, stride_s, row_limit, offs_c, col_limit, CHECK_ROWS: tl.constexpr,
               CHECK_COLS: tl.constexpr, TMA: tl.constexpr, row0=0, col0=0):
     """The [R, C] tile of rows start + offs_r from what row_tiles returned (offs_r starts at start);
@@ -350,8 +358,8 @@ COMMON_INTS = [
 ]
 FWD_INTS = COMMON_INTS + ["num_work"]
 BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh",
-                               "dbias_stride_b", "dbias_stride_h", "dbias_stride_s"]
-BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh"]
+                               "dbias_stride_b", "dbias_stride_h", "dbias_stride_s", "num_work"]
+BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh", "num_work"]
 PREPROCESS_INTS = ["stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "seqlen_q", "num_heads_q"]
 DROPOUT_MASK_INTS = ["seqlen_q", "seqlen_k", "num_heads", "dropout_seed", "dropout_threshold"]
 
