@@ -235,18 +235,16 @@ PERSISTENT_BWD_CASES = {
     "d64-causal": (dict(b=1, sq=256, sk=512, hq=2, hkv=2, d=64, opts=dict(causal=True)),
                    ((True, True), (False, False))),
     "d64": (dict(b=2, sq=256, sk=256, hq=2, hkv=2, d=64, opts={}), ((True, True), (False, False))),
-    # GQA: dQ alone specialised; a padded head dim (96 -> 128) cannot take whole-array descriptors.
-    "gqa": (dict(b=1, sq=512, sk=256, hq=4, hkv=2, d=128, opts={}), ((False, False), (True, True))),
-    # (Not persistent, so the work bar stands: portable, as on a grid.)
+    # GQA: dQ alone specialised (batches: K/V rows at b * Sk, columns by KV head).
+    "gqa-batches": (dict(b=2, sq=512, sk=256, hq=4, hkv=2, d=128, opts={}), ((False, False), (True, True))),
+    # A padded head dim (96 -> 128) cannot take whole-array descriptors; not persistent, so the
+    # work bar stands: portable, as on a grid.
     "d96-padded": (dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=96, opts={}), ((False, False), (False, False))),
 }
 
 
-def _check_persistent_backward(case, monkeypatch, **check):
-    """The case against the reference with DUALATTN_NUM_SMS=3, checking each backward kernel's
-    (warp-specialised, persistent) layout."""
-    c, want = dict(PERSISTENT_BWD_CASES[case][0]), PERSISTENT_BWD_CASES[case][1]
-    monkeypatch.setenv("DUALATTN_NUM_SMS", "3")
+def _spy_backward_layouts(monkeypatch) -> list:
+    """The ((dK/dV), (dQ)) (WARP_SPECIALIZE, PERSISTENT) flags of every backward planned from then on."""
     layouts, real = [], flash_plan.plan_backward
 
     def spy(*args, **kwargs):
@@ -256,6 +254,15 @@ def _check_persistent_backward(case, monkeypatch, **check):
         return plan
 
     monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    return layouts
+
+
+def _check_persistent_backward(case, monkeypatch, **check):
+    """The case against the reference with DUALATTN_NUM_SMS=3, checking each backward kernel's
+    (warp-specialised, persistent) layout."""
+    c, want = dict(PERSISTENT_BWD_CASES[case][0]), PERSISTENT_BWD_CASES[case][1]
+    monkeypatch.setenv("DUALATTN_NUM_SMS", "3")
+    layouts = _spy_backward_layouts(monkeypatch)
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), **check, **c)
     assert layouts == [want], layouts
@@ -270,17 +277,47 @@ def test_persistent_backward_interpreted(case, monkeypatch, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(PERSISTENT_BWD_CASES))
 def test_gpu_persistent_backward(case, monkeypatch, seed):
-    """The same small cases on the H100, with 3 persistent programs (real-SM-count persistent
-    backwards run in test_gpu_warp_specialized_backward's long cases)."""
+    """The same small cases on the H100, with 3 persistent programs (the GPU's own SM count:
+    test_gpu_persistent_backward_at_size)."""
     _require_sm90()
     monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
     _check_persistent_backward(case, monkeypatch, device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2)
 
 
-def test_persistent_backward_rule():
+# Persistent backwards with the GPU's own SM count (132 programs on an H100, a partial last round):
+# (B, S, H, D, causal), 256 tiles a kernel.
+GPU_PERSISTENT_BWD_AT_SIZE = [(2, 2048, 8, 128, False), (2, 2048, 8, 128, True), (2, 2048, 8, 64, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_PERSISTENT_BWD_AT_SIZE, ids=lambda c: f"b{c[0]}-s{c[1]}-h{c[2]}-d{c[3]}-c{int(c[4])}")
+def test_gpu_persistent_backward_at_size(case, monkeypatch, seed):
+    _require_sm90()
+    b, s, h, d, causal = case
+    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    monkeypatch.delenv("DUALATTN_NUM_SMS", raising=False)
+    layouts = _spy_backward_layouts(monkeypatch)
+    _check_against_reference(b, s, s, h, h, d, dict(causal=causal), device="cuda", dtype=torch.bfloat16, seed=seed,
+                             tol=1e-2)
+    assert layouts == [((True, True), (True, True) if d == 128 else (False, False))], layouts
+
+
+def test_persistent_backward_rule(monkeypatch):
     """Persistent where the specialised kernels have more tiles than SMs and at most
-    PERSISTENT_BWD_MAX_KEYS keys; the work bar then drops (S=1024 causal specialises)."""
+    PERSISTENT_BWD_MAX_KEYS keys; the work bar then drops (S=1024 causal specialises).
+    DUALATTN_PERSISTENT=0 / 1 turns it off / on whatever the keys."""
     from test_compile import Variant
+
+    def layout(sq, causal, num_sms):
+        _, bwd, _ = Variant("rule", sq=sq, sk=sq, causal=causal, ws=True, num_sms=num_sms).build(90)
+        return tuple((k.constexpr_dict["WARP_SPECIALIZE"], k.constexpr_dict["PERSISTENT"]) for k in (bwd.dkdv, bwd.dq))
+
+    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
+    assert layout(1024, True, 10) == ((False, False), (False, False))    # the work bar again
+    assert layout(4096, False, 10) == ((True, False), (True, False))
+    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "1")
+    assert layout(8192, True, 10) == ((True, True), (True, True))
+    monkeypatch.delenv(flash_plan.PERSISTENT_ENV)
     # (Variant: B=2, H=4, so S=1024 has 64 tiles a kernel.)
     for sq, causal, num_sms, want in ((1024, True, 10, (True, True)), (1024, True, 0, (False, False)),
                                       (1024, True, 64, (False, False)), (8192, False, 10, (True, False)),

@@ -654,9 +654,11 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                       else (None, None))
     edges = edges_in_loop(shapes, options, sparse, constexprs, dict(env).get(EDGES_IN_LOOP_ENV))
 
-    def persistent_grid(grid, warp_specialized: bool):
-        """(grid, num_work, persistent) of a backward kernel: a program per SM where specialised."""
-        if warp_specialized and persistent:
+    def persistent_grid(grid, t: TileConfig, warp_specialized: bool):
+        """(grid, num_work, persistent) of a backward kernel: a program per SM where specialised,
+        its tiles whole (whole_array_tiles checked WS_TILE's; a patched tile table may differ)."""
+        whole_tile = shapes.seqlen_q % t.block_m == 0 and shapes.seqlen_k % t.block_n == 0
+        if warp_specialized and persistent and whole_tile:
             return (num_sms, 1, 1), grid[0] * grid[1], True
         return grid, 0, False
 
@@ -664,7 +666,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.q_rows_contiguous)
     t = ws_dkdv or config.bwd_dkdv
     grid, num_work, dkdv_persistent = persistent_grid(
-        (cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1), bool(ws_dkdv))
+        (cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1), t, bool(ws_dkdv))
     dkdv = Launch(
         module="flash.backward", kernel="flash_bwd_dkdv_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
@@ -683,7 +685,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     t = ws_dq or config.bwd_dq
     grid, num_work, dq_persistent = persistent_grid(
-        (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1), bool(ws_dq))
+        (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1), t, bool(ws_dq))
     dq = Launch(
         module="flash.backward", kernel="flash_bwd_dq_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
