@@ -13,8 +13,8 @@ third argument), causal and not.  Default: do_bench medians of back-to-back call
 --kernel-time: CUDA-graph replays (do_bench_cudagraph), so the torch path's host time (as long as the
 kernels at S=1024) can neither mask nor fake a difference; it also prints the backward (the
 difference).  NAME=VALUE sets an integer constant of dualattn.kernels.flash.plan first (a rule's
-threshold); TABLE[D]=BMxBNxWARPSxSTAGES one entry of a tile table.  Alternate the trees: the spread between rounds of one tree is the noise any difference
-must beat (benchmarks/NOTES.md).
+threshold); TABLE[D]=BMxBNxWARPSxSTAGES one entry of a tile table.  Alternate the trees: the spread
+between rounds of one tree is the noise any difference must beat (benchmarks/NOTES.md).
 """
 import json
 import sys

@@ -166,18 +166,25 @@ def test_persistent_forward_rules(monkeypatch):
     assert layout(**s1024, num_sms=100)[:2] == (False, False)            # as before persistence
 
 
-@pytest.fixture
-def backward_plan_flags(monkeypatch):
-    """The (dK/dV, dQ) WARP_SPECIALIZE flags of every backward planned from then on."""
+def _spy_backward(monkeypatch, *names) -> list:
+    """For every backward planned from then on, (dK/dV's, dQ's) constexpr `names`: each kernel's
+    value for one name, its tuple of values for several."""
     flags, real = [], flash_plan.plan_backward
 
     def spy(*args, **kwargs):
         plan = real(*args, **kwargs)
-        flags.append((plan.dkdv.constexpr_dict["WARP_SPECIALIZE"], plan.dq.constexpr_dict["WARP_SPECIALIZE"]))
+        values = [tuple(k.constexpr_dict[n] for n in names) for k in (plan.dkdv, plan.dq)]
+        flags.append(tuple(v[0] if len(names) == 1 else v for v in values))
         return plan
 
     monkeypatch.setattr(flash_plan, "plan_backward", spy)
     return flags
+
+
+@pytest.fixture
+def backward_plan_flags(monkeypatch):
+    """The (dK/dV, dQ) WARP_SPECIALIZE flags of every backward planned from then on."""
+    return _spy_backward(monkeypatch, "WARP_SPECIALIZE")
 
 
 @pytest.fixture
@@ -243,26 +250,12 @@ PERSISTENT_BWD_CASES = {
 }
 
 
-def _spy_backward_layouts(monkeypatch) -> list:
-    """The ((dK/dV), (dQ)) (WARP_SPECIALIZE, PERSISTENT) flags of every backward planned from then on."""
-    layouts, real = [], flash_plan.plan_backward
-
-    def spy(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        layouts.append(tuple((k.constexpr_dict["WARP_SPECIALIZE"], k.constexpr_dict["PERSISTENT"])
-                             for k in (plan.dkdv, plan.dq)))
-        return plan
-
-    monkeypatch.setattr(flash_plan, "plan_backward", spy)
-    return layouts
-
-
 def _check_persistent_backward(case, monkeypatch, **check):
     """The case against the reference with DUALATTN_NUM_SMS=3, checking each backward kernel's
     (warp-specialised, persistent) layout."""
     c, want = dict(PERSISTENT_BWD_CASES[case][0]), PERSISTENT_BWD_CASES[case][1]
     monkeypatch.setenv("DUALATTN_NUM_SMS", "3")
-    layouts = _spy_backward_layouts(monkeypatch)
+    layouts = _spy_backward(monkeypatch, "WARP_SPECIALIZE", "PERSISTENT")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), **check, **c)
     assert layouts == [want], layouts
@@ -296,7 +289,7 @@ def test_gpu_persistent_backward_at_size(case, monkeypatch, seed):
     b, s, h, d, causal = case
     monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
     monkeypatch.delenv("DUALATTN_NUM_SMS", raising=False)
-    layouts = _spy_backward_layouts(monkeypatch)
+    layouts = _spy_backward(monkeypatch, "WARP_SPECIALIZE", "PERSISTENT")
     _check_against_reference(b, s, s, h, h, d, dict(causal=causal), device="cuda", dtype=torch.bfloat16, seed=seed,
                              tol=1e-2)
     assert layouts == [((True, True), (True, True) if d == 128 else (False, False))], layouts
