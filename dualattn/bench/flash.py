@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timing rounds per measurement (median taken)")
     p.add_argument("--tol", type=float, default=2e-2, help="relative-error bound of the correctness guard")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jax-ptxas", choices=("xla", "triton"), default="xla",
+                   help="assembler of the jax path's Triton kernels: jaxlib's choice (default) or the ptxas "
+                        "torch's Triton uses (dualattn.jax_api.use_triton_ptxas; same SASS in both frameworks)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--memory", action="store_true",
@@ -270,7 +273,7 @@ def metadata(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         "versions": versions(),
         "argv": list(argv),
         "settings": {"dtype": args.dtype, "round_ms": args.min_ms, "rounds": args.repeats, "tol": args.tol,
-                     "seed": args.seed,
+                     "seed": args.seed, "jax_ptxas": args.jax_ptxas,
                      "timing": "throughput_ms: n back-to-back calls + one wait, per call, median of rounds",
                      "flops": "fwd 4*B*H*S*S*D (causal /2); fwdbwd 3.5x fwd",
                      "reference_for_ratio": report.REFERENCE_SYSTEM},
@@ -307,6 +310,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before anything imports jax
     require_cuda()
+    if args.jax_ptxas == "triton":  # before any jax kernel is assembled
+        import torch
+        from dualattn.jax_api.ptxas import use_triton_ptxas
+        major, minor = torch.cuda.get_device_capability()
+        print(f"# jax path: Triton's ptxas ({use_triton_ptxas(major * 10 + minor)}) first on PATH")
     meta = metadata(args, argv)
     print(f"# {meta['device']}  {meta['date']}  " + " ".join(f"{k}={v}" for k, v in meta["versions"].items() if v))
     measurements, memory = [], []

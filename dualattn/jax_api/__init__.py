@@ -1,5 +1,6 @@
 """JAX front end: backend="triton" (the shared Triton kernels), "xla", "pallas", "auto"."""
 from .blocksparse import blocksparse_attention  # noqa: F401
 from .flash import BACKENDS, flash_attention, flash_attention_varlen  # noqa: F401
+from .ptxas import use_triton_ptxas  # noqa: F401
 
-__all__ = ["blocksparse_attention", "flash_attention", "flash_attention_varlen", "BACKENDS"]
+__all__ = ["blocksparse_attention", "flash_attention", "flash_attention_varlen", "BACKENDS", "use_triton_ptxas"]

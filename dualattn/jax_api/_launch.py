@@ -18,7 +18,7 @@ import numpy as np
 
 from ..kernels import _interpret
 from ..kernels.launch import Launch
-from . import _scratch
+from . import _scratch, ptxas
 
 _DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int32": jnp.int32,
            "int8": jnp.int8}
@@ -43,6 +43,7 @@ def gpu_arch() -> int:
     return int(major) * 10 + int(minor)
 
 
+@functools.lru_cache(maxsize=None)
 def _import_jax_triton():
     # jax_triton sets TRITON_CACHE_DIR="" on import, which breaks torch's Triton launches
     # in the same process (PLATFORM.md pitfall 1): restore it.
@@ -52,6 +53,8 @@ def _import_jax_triton():
         os.environ.pop("TRITON_CACHE_DIR", None)
     else:
         os.environ["TRITON_CACHE_DIR"] = saved
+    # Before the first launch is traced, so before jaxlib assembles any of our kernels.
+    ptxas.apply_env(gpu_arch())
     return jax_triton
 
 

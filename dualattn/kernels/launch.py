@@ -23,6 +23,10 @@ class Output:
     # of its own (jax-triton: jax_api/_scratch.py); Triton's launcher (torch) brings its own, so
     # torch passes a dummy pointer.  Never a result.
     scratch: bool = False
+    # Never written: the kernel's use of it is switched off by a constexpr (no bias, no sinks), and
+    # it exists only to keep the signature.  A launcher that can pass any pointer (torch) passes a
+    # shared dummy instead of allocating; jax-triton needs a buffer for every output.
+    placeholder: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Run a framework-neutral `Launch` on torch tensors (compiled on CUDA, interpreted on CPU)."""
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Dict, Optional, Tuple
 
@@ -34,12 +35,49 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-# id(launch) -> (launch, {argument specialisation: (CompiledKernel, constexpr values)}, positions of
-# the tensors, positions of the ints Triton specialises).  Plans are memoised, so a steady
-# workload sees the same few Launch objects; the launch is kept in the entry so its id cannot be
-# reused while the entry lives.
-_COMPILED: Dict[int, Tuple[Launch, dict, Tuple[int, ...], Tuple[int, ...]]] = {}
+class _Prepared:
+    """What launching one `Launch` takes that does not change between calls, worked out on its
+    first call: the kernel, the scalar arguments, the outputs' allocation, the constexpr values
+    and, per specialisation, the CompiledKernel.  A steady workload sees the same few (memoised)
+    plans, so each call only binds tensors and launches: the per-launch Python that used to
+    re-read the plan was about half of the torch path's host time at short sequences
+    (benchmarks/NOTES.md step 28)."""
+
+    __slots__ = ("launch", "kernel", "interpreted", "scalars", "outputs", "constexprs", "tensors", "ints",
+                 "variants")
+
+    def __init__(self, launch: Launch, interpret: bool):
+        self.launch = launch  # held, so that id(launch) is not reused while this record lives
+        self.kernel = _interpret.kernel(launch.module, launch.kernel, interpret=interpret)
+        self.interpreted = interpret
+        self.scalars = [value for _, value in launch.scalars]
+        # (name, allocator, shape, dtype spec, scratch, placeholder) in signature order.
+        self.outputs = tuple((o.name, torch.zeros if o.zeroed else torch.empty, o.shape, o.dtype, o.scratch,
+                              o.placeholder) for o in launch.outputs)
+        self.constexprs = launch.constexpr_dict
+        self.tensors = self.ints = None  # argument positions Triton specialises: set on the first launch
+        self.variants = {}  # specialisation -> (CompiledKernel, constexpr values in signature order)
+
+    def positions(self, args: list) -> None:
+        # A launch's argument kinds are fixed: inputs and outputs are tensors (absent inputs get a
+        # dummy tensor), scalars keep their python type.
+        self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.ints = tuple(p.num for p in self.kernel.params[:len(args)]
+                          if not p.do_not_specialize and not p.is_constexpr and type(args[p.num]) is int)
+
+
+# id(launch) -> its _Prepared record.
+_COMPILED: Dict[int, _Prepared] = {}
 _COMPILED_LOCK = threading.Lock()
+
+
+def _prepared(launch: Launch, interpret: bool) -> _Prepared:
+    prep = _COMPILED.get(id(launch))
+    if prep is None or prep.launch is not launch or prep.interpreted != interpret:
+        prep = _Prepared(launch, interpret)
+        with _COMPILED_LOCK:
+            _COMPILED[id(launch)] = prep
+    return prep
 
 
 def _specialisation(args: list, tensors: Tuple[int, ...], ints: Tuple[int, ...]) -> tuple:
@@ -49,39 +87,42 @@ def _specialisation(args: list, tensors: Tuple[int, ...], ints: Tuple[int, ...])
             + tuple((args[i] == 1, args[i] % 16 == 0) for i in ints))
 
 
-def _launch_cached(kernel, launch: Launch, args: list, device: torch.device) -> None:
-    """Launch through the JITFunction the first time per (plan, specialisation); then call its
+def _launch_cached(prep: _Prepared, args: list, device: torch.device) -> None:
+    """Launch through the JITFunction the first time per specialisation; then call its
     CompiledKernel directly.  JITFunction.run binds and specialises the ~90 arguments again on
     every call, host time that counts at short sequences (benchmarks/host_overhead.py).  The
     call below is the one JITFunction.run ends with (Triton 3.6 and 3.7)."""
-    entry = _COMPILED.get(id(launch))
-    if entry is None or entry[0] is not launch:
-        # A launch's argument kinds are fixed: inputs and outputs are tensors (absent inputs get
-        # a dummy tensor), scalars keep their python type.
-        tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        ints = tuple(p.num for p in kernel.params[:len(args)]
-                     if not p.do_not_specialize and not p.is_constexpr and type(args[p.num]) is int)
-        with _COMPILED_LOCK:
-            entry = _COMPILED[id(launch)] = (launch, {}, tensors, ints)
-    spec = _specialisation(args, entry[2], entry[3])
-    hit = entry[1].get(spec)
+    launch = prep.launch
+    if prep.tensors is None:
+        prep.positions(args)
+    spec = _specialisation(args, prep.tensors, prep.ints)
+    hit = prep.variants.get(spec)
     if hit is None:
-        compiled = kernel[launch.grid](*args, **launch.constexpr_dict, num_warps=launch.num_warps,
-                                       num_stages=launch.num_stages)
-        constexprs = launch.constexpr_dict
-        entry[1][spec] = (compiled, [constexprs[name] for name in kernel.arg_names[len(args):]])
+        compiled = prep.kernel[launch.grid](*args, **prep.constexprs, num_warps=launch.num_warps,
+                                            num_stages=launch.num_stages)
+        prep.variants[spec] = (compiled, [prep.constexprs[name] for name in prep.kernel.arg_names[len(args):]])
         return
     compiled, tail = hit
     stream = _driver().get_current_stream(device.index)
     runtime = triton.knobs.runtime
-    meta = compiled.launch_metadata(launch.grid, stream, *args, *tail)
+    enter_hook = runtime.launch_enter_hook
+    # launch_metadata only builds the hooks' argument: None without hooks (Triton 3.6 and 3.7).
+    meta = None if enter_hook is None else compiled.launch_metadata(launch.grid, stream, *args, *tail)
     g0, g1, g2 = launch.grid
-    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, runtime.launch_enter_hook,
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter_hook,
                  runtime.launch_exit_hook, *args, *tail)
 
 
 def _driver():
     return triton.runtime.driver.active
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One element of `dtype` on `device`, passed for every placeholder output (never written or
+    read, so sharing it is safe on any stream); of the output's dtype, so the compiled variant is
+    the one a real buffer would get."""
+    return torch.empty(1, dtype=dtype, device=device)
 
 
 def output_dtype(spec: str, arrays: Dict[str, torch.Tensor]) -> torch.dtype:
@@ -98,33 +139,36 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
     first = arrays[launch.inputs[0]] if launch.inputs else None
     device = torch.device(device) if device is not None else first.device
     interpret = device.type == "cpu"
-    kernel = _interpret.kernel(launch.module, launch.kernel, interpret=interpret)
+    prep = _prepared(launch, interpret)
     # The dummy is never read: its use is gated by a constexpr HAS_* flag.
-    args = [arrays.get(name) if arrays.get(name) is not None else first for name in launch.inputs]
-    args += [value for _, value in launch.scalars]
-    outputs = dict(outputs or {})
-    for out in launch.outputs:
-        if out.scratch:  # Triton's launcher passes its own global scratch (_ensure_scratch_allocator)
+    args = [arrays.get(name) for name in launch.inputs]
+    args = [first if a is None else a for a in args]
+    args += prep.scalars
+    outputs = dict(outputs) if outputs else {}
+    for name, alloc, shape, dtype, scratch, placeholder in prep.outputs:
+        if scratch:  # Triton's launcher passes its own global scratch (_ensure_scratch_allocator)
             args.append(first)
             continue
-        if out.name not in outputs:
-            alloc = torch.zeros if out.zeroed else torch.empty
-            outputs[out.name] = alloc(out.shape, dtype=output_dtype(out.dtype, arrays), device=device)
-        args.append(outputs[out.name])
+        out = outputs.get(name)
+        if out is None:
+            dtype = output_dtype(dtype, arrays)
+            # (Interpreted launches allocate every output: the JAX interpreter path returns them.)
+            out = outputs[name] = (_dummy(dtype, device) if placeholder and not interpret
+                                   else alloc(shape, dtype=dtype, device=device))
+        args.append(out)
     if interpret:
         with _INTERPRETER_LOCK:
-            kernel[launch.grid](*args, **launch.constexpr_dict, num_warps=launch.num_warps,
-                                num_stages=launch.num_stages)
+            prep.kernel[launch.grid](*args, **prep.constexprs, num_warps=launch.num_warps,
+                                     num_stages=launch.num_stages)
     else:
-        if launch.constexpr_dict.get("TMA"):
+        if prep.constexprs.get("TMA"):
             _ensure_scratch_allocator()
         if device.index == torch.cuda.current_device():
-            _launch_cached(kernel, launch, args, device)
+            _launch_cached(prep, args, device)
         else:
             with torch.cuda.device(device):
-                _launch_cached(kernel, launch, args, device)
+                _launch_cached(prep, args, device)
     if launch.then is not None:  # in place: its resumed inputs are the outputs it writes
         resumed = {name: outputs[result] for name, result in launch.then.resume}
         return run(launch.then, {**arrays, **resumed}, outputs, device)
     return outputs
-

@@ -121,5 +121,5 @@ def test_gpu_cached_launch_keeps_variants_apart(monkeypatch):
     assert q_off.data_ptr() % 16 != 0
     for _ in range(2):
         assert torch.equal(flash_attention(q_off, k, v, causal=True), first)
-    variants = [specs for launch, specs, *_ in _launch._COMPILED.values() if launch.kernel == "flash_fwd_kernel"]
+    variants = [prep.variants for prep in _launch._COMPILED.values() if prep.launch.kernel == "flash_fwd_kernel"]
     assert any(len(specs) >= 2 for specs in variants), "aligned and misaligned queries shared one variant"

@@ -621,11 +621,11 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         inputs=("out", "dout", "lse", "dlse", "softmax_aux", "cu_seqlens_q"),
         scalars=tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b",
                                                 "stride_lse_h", "seqlen_q", "num_heads_q")),
-        # Placeholders the kernels never write (no sinks, no bias) are not zero-filled: a memset
-        # launch each, host time that counts at short sequences (benchmarks/NOTES.md step 17).
+        # Placeholders the kernels never write (no sinks, no bias) are neither zero-filled nor, in
+        # torch, allocated: host time that counts at short sequences (NOTES steps 17 and 28).
         outputs=(Output("delta", lse_shape, "float32"),
                  Output("dsinks_partial", (shapes.batch * shapes.heads_q * n_m_blocks, max(1, num_sinks)),
-                        "float32", zeroed=num_sinks > 0)),
+                        "float32", zeroed=num_sinks > 0, placeholder=num_sinks == 0)),
         constexprs=(("HEAD_DIM_V", shapes.head_dim_v), ("BLOCK_DV", const["BLOCK_DV"]), ("BLOCK_M", pre_m),
                     ("NUM_SINKS", num_sinks), ("BLOCK_SINKS", const["BLOCK_SINKS"]), ("IS_VARLEN", varlen),
                     ("SINKS_PER_HEAD", shapes.sinks_per_head), ("STRIDES_ALIGNED", const["STRIDES_ALIGNED"]),
@@ -674,7 +674,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         + tuple(zip(("stride_dvb", "stride_dvs", "stride_dvh"), grad_strides("dv", v_shape)))
         + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)) + (("num_work", num_work),),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
-                 Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias),
+                 Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias, placeholder=not shapes.has_bias),
                  desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
                                  ("WARP_SPECIALIZE", bool(ws_dkdv)), ("EDGES_IN_LOOP", not ws_dkdv and edges),
