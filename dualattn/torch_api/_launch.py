@@ -7,6 +7,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import triton
+from triton.runtime import _allocation
 
 from ..kernels import _interpret
 from ..kernels.launch import Launch
@@ -30,7 +31,6 @@ def _ensure_scratch_allocator() -> None:
     buffer that Triton's launcher requests per launch through triton.set_allocator, which is
     unset by default.  Install a torch one unless the user set their own (it is a
     ContextVar: each thread starts unset)."""
-    from triton.runtime import _allocation
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
