@@ -96,6 +96,8 @@ def launch_flags(monkeypatch, forward_plan_flags):
     def spy_on(name: str) -> list:
         from dualattn.kernels.flash import plan as flash_plan
         flags, real = forward_plan_flags(name), flash_plan.plan_backward
+        # The two-pass kernels' flags: not the one-pass Gluon backward (tests/torch/test_one_pass.py).
+        monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "0")
 
         def spy(*args, **kwargs):
             plan = real(*args, **kwargs)

@@ -61,37 +61,14 @@ import traceback
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
-from triton._C.libtriton import ir
 
 LOG2E = 1.4426950408889634
 
-# ---------------------------------------------------------------------------------------------------
-# Version bridges (Triton 3.6 <-> 3.7)
-# ---------------------------------------------------------------------------------------------------
-# 3.6 names the partition-wide barrier `thread_barrier`, 3.7 `barrier` (with a cluster= flag).
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Bulk TMA reduce-add of the smem tile `src` into global at `coord` (cp.reduce.async.bulk.tensor).
-
-    Neither 3.6 nor 3.7 wraps ttng.async_tma_reduce in Python; both builders take
-    (kind, descriptor, coords, smem) in this order.  Completion is tracked like a TMA store
-    (tma.store_wait)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.constexpr_function
-def _mma_layout(M, N, num_warps):
-    """wgmma accumulator layout for an [M, N] tile: warps along M first (16 rows per warp), then N."""
-    wm = min(num_warps, max(M // 16, 1))
-    wn = num_warps // wm
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, N // wn, 16])
+# Version bridges (Triton 3.6 <-> 3.7) and the wgmma layout: now in the library's one-pass kernel,
+# which grew out of this probe (NOTES step 29).
+from dualattn.kernels.flash.backward_gluon import _mma_layout, _partition_barrier, _tma_reduce_add  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = dict(_launch.run(plan.dkdv, a))
-    grads.update(_launch.run(plan.dq, a))
+    grads.update(_launch.run(plan.dq, {**a, **grads}))
     cot = {n: None for n in arrays}
     cot.update(query=grads["dquery"], key=grads["dkey"], value=grads["dvalue"])
     if arrays.get("bias") is not None:

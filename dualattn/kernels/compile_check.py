@@ -137,11 +137,14 @@ def signature_of(launch: Launch, dtypes: Dict[str, str], fn=None, *, specialize:
 
 
 def ast_source(launch: Launch, dtypes: Dict[str, str], *, specialize: str = "torch", fn=None):
+    """The kernel's source as triton.compile takes it: a GluonASTSource for Gluon kernels."""
     import triton.compiler
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     fn = kernel_function(launch) if fn is None else fn
     signature, constexprs, attrs = signature_of(launch, dtypes, fn, specialize=specialize)
-    return triton.compiler.ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
+    return source(fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def compile_launch(launch: Launch, dtypes: Dict[str, str], *, arch: int = 90, specialize: str = "torch",

@@ -161,8 +161,8 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
             prep.kernel[launch.grid](*args, **prep.constexprs, num_warps=launch.num_warps,
                                      num_stages=launch.num_stages)
     else:
-        if prep.constexprs.get("TMA"):
-            _ensure_scratch_allocator()
+        # (Cheaper than telling which kernels build descriptors: TMA, warp-specialised, Gluon.)
+        _ensure_scratch_allocator()
         if device.index == torch.cuda.current_device():
             _launch_cached(prep, args, device)
         else:

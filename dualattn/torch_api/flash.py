@@ -163,6 +163,13 @@ def _warp_specialize(a: dict) -> bool:
     return flash_plan.warp_specialize_requested(arch) and _descriptors(a)
 
 
+def _gluon(a: dict) -> bool:
+    """Whether the plans may pick the Gluon (sm_90-only) one-pass backward: an sm_90 GPU where the
+    warp-specialised kernels are allowed (plan.warp_specialize_requested)."""
+    query = a["query"]
+    return query.is_cuda and _gpu(query.device.index)[1] == 90 and _warp_specialize(a)
+
+
 def _num_sms(a: dict) -> int:
     query = a["query"]
     return sm_count(query.device.index if query.is_cuda else None)
@@ -241,12 +248,12 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
     plan = flash_plan.plan_backward(shapes, r.options, _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
                                     config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
                                     lse_grad=dlse is not None, warp_specialize=_warp_specialize(a),
-                                    num_sms=_num_sms(a))
+                                    num_sms=_num_sms(a), gluon=_gluon(a))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)
-    grads.update(_launch.run(plan.dq, a))
-    dbias = grads["dbias"]
+    grads.update(_launch.run(plan.dq, {**a, **grads}))  # (the one-pass dq launch takes dkdv's dQ accumulator)
+    dbias = grads.get("dbias")
     if bias is not None:
         dims = flash_plan.dbias_sum_dims(shapes)
         dbias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).to(bias.dtype)

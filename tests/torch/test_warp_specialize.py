@@ -170,6 +170,8 @@ def _spy_backward(monkeypatch, *names) -> list:
     """For every backward planned from then on, (dK/dV's, dQ's) constexpr `names`: each kernel's
     value for one name, its tuple of values for several."""
     flags, real = [], flash_plan.plan_backward
+    # The two-pass kernels: on sm_90 the one-pass Gluon backward would replace them (test_one_pass.py).
+    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "0")
 
     def spy(*args, **kwargs):
         plan = real(*args, **kwargs)

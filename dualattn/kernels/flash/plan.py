@@ -477,7 +477,45 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Opt
                                  and shapes.seqlen_k <= WS_BAND_MAX_KEYS)))
 
 
-PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV)
+# The one-pass backward (backward_gluon.py): (BLOCK_M, BLOCK_N, STAGES, DQ_BUFS) by head dim, the
+# probe's fastest (benchmarks/experiments/gluon_bwd_probe.py, NOTES step 28).  8 compute warps (two
+# wgmma warpgroups) plus its load and dQ warps.
+ONE_PASS_TILES = {64: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
+ONE_PASS_WARPS = 8
+ONE_PASS_ENV = "DUALATTN_ONE_PASS"
+# Least keys (Sk) from which the one-pass backward replaces the two-pass one, non-causal / causal.
+# fwd+bwd against the two-pass kernels, 16k tokens (NOTES step 29): non-causal D=128 -16% at S=1024,
+# -3% at 2048, +1% at 4096, +7 / +10% at 8192 / 16384 (D=64 -12%, -4%, +1%, +4%, +8%); causal
+# D=128 +6% (one noisy cell), -15%, 0, +3%, +9% (D=64 -26%, -12%, -2%, +3%, +10%).  Short problems
+# lose the per-work-item set-up and the dQ accumulator's zero-fill and cast (~0.1 ms).
+ONE_PASS_MIN_KEYS = {False: 4096, True: 8192}
+
+
+def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides,
+                      constexprs, flag: Optional[str] = None) -> Optional[Tuple[int, int, int, int]]:
+    """The one-pass backward's (BLOCK_M, BLOCK_N, STAGES, DQ_BUFS) where a problem qualifies, else None.
+
+    What the warp-specialised kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
+    per-element option, no block-sparse list, no packed varlen), head dims of 64 or 128 (equal for
+    K and V), no window other than causal, and lse rows 16-byte aligned for TMA (Sq % 4 == 0,
+    which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
+    so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
+    the preprocess's dsinks.  Where it pays: Sk >= ONE_PASS_MIN_KEYS.  flag: DUALATTN_ONE_PASS,
+    "0" / "1" turn it off / on whatever the keys (A/B runs, tests)."""
+    tile = ONE_PASS_TILES.get(shapes.head_dim)
+    if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
+        return None
+    if flag != "1" and shapes.seqlen_k < ONE_PASS_MIN_KEYS[options.window_right == 0]:
+        return None
+    if options.window_left is not None or options.window_right not in (None, 0) or not _warp_specializable(
+            shapes, sparse, constexprs):
+        return None
+    if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
+        return None
+    return tile
+
+
+PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV, ONE_PASS_ENV)
 
 
 @_memoised
@@ -598,12 +636,16 @@ class BackwardPlan:
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
-                  env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
+                  gluon: bool = False, env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
     warp_specialize: as plan_forward's; eligible kernels take the tiles warp_specialized_backward
     gives in place of config's.  num_sms: as plan_forward's (persistent_backward).
+    gluon: the launcher runs Gluon kernels on an sm_90 GPU (torch; jax-triton 0.3.1 cannot compile
+    them); problems one_pass_backward accepts then get the one-pass backward: `dkdv` computes dK,
+    dV and an fp32 dQ accumulator ('dq_accum'), which `dq` takes as input and casts.  Launchers
+    pass dkdv's results to dq.
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
@@ -641,6 +683,12 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     k_shape = (shapes.total_k, shapes.heads_kv, shapes.head_dim) if varlen else \
         (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
     v_shape = k_shape[:-1] + (shapes.head_dim_v,)
+    one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs,
+                                 dict(env).get(ONE_PASS_ENV)) if gluon else None
+    if one_pass is not None:
+        dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
+                                      one_pass, num_sms, dict(env).get(PERSISTENT_ENV))
+        return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
     dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
 
@@ -697,6 +745,70 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                                  ("PERSISTENT", dq_persistent)),
         num_warps=t.num_warps, num_stages=t.num_stages)
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
+
+
+def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, tile: Tuple[int, int, int, int],
+                        flag: Optional[str] = None) -> bool:
+    """Whether the one-pass kernel runs persistent (a program per SM, work items dealt round-robin).
+
+    It pays where items are short: kernel time at 16k tokens, S=1024, non-causal (NOTES step 29):
+    0.93 -> 0.85 ms at D=128, 1.27 -> 1.05 ms at D=64 (a program per item spent ~10 us building
+    its descriptors); so, as the two-pass kernels, up to PERSISTENT_BWD_MAX_KEYS keys.  Not causal:
+    items of unequal length dealt round-robin drift apart, the programs then stream different heads'
+    Q and dO and lose L2 (D=128 causal fwd+bwd at S=16384: 472 -> 333 TFLOP/s); the grid's
+    in-order dispatch keeps them together.  Needs descriptors over whole arrays as (batch * seq,
+    heads * head dim) matrices: Sq and Sk tile multiples (no tile reaches into the next batch), and
+    in query, key, value and out the heads side by side (head stride == head dim) and the batches
+    end to end (batch stride == seq * seq stride).  flag: DUALATTN_PERSISTENT, "0" / "1" turn it
+    off / on wherever the descriptors allow (A/B runs, tests)."""
+    block_m, block_n = tile[:2]
+    if flag == "0" or shapes.seqlen_q % block_m or shapes.seqlen_k % block_n:
+        return False
+    if flag != "1" and (options.window_right == 0 or shapes.seqlen_k > PERSISTENT_BWD_MAX_KEYS):
+        return False
+    rows = {"query": shapes.seqlen_q, "key": shapes.seqlen_k, "value": shapes.seqlen_k, "out": shapes.seqlen_q}
+    return all(strides[n][2] == shapes.head_dim and (shapes.batch == 1 or strides[n][0] == r * strides[n][1])
+               for n, r in rows.items())
+
+
+def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict, strides, q_shape, k_shape, v_shape,
+                       diag_shift: int, tile: Tuple[int, int, int, int], num_sms: int,
+                       persistent_flag: Optional[str]) -> Tuple[Launch, Launch]:
+    """The one-pass kernel (dK, dV and an fp32 dQ accumulator) and the launch casting dQ; persistent
+    where one_pass_persistent."""
+    block_m, block_n, stages, dq_bufs = tile
+    grid = (cdiv(shapes.seqlen_k, block_n), shapes.batch * shapes.heads_kv, 1)
+    num_work = grid[0] * grid[1]
+    persistent = num_sms > 0 and one_pass_persistent(shapes, options, strides, tile, persistent_flag)
+    if persistent:
+        grid = (min(num_sms, num_work), 1, 1)
+    grads = {name: _seq_strides(_contiguous(shape), False) for name, shape in
+             (("dk", k_shape), ("dv", v_shape), ("dq", q_shape))}
+    one_pass = Launch(
+        module="flash.backward_gluon", kernel="flash_bwd_one_pass_kernel", grid=grid,
+        inputs=("query", "key", "value", "dout", "lse", "delta"),
+        scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
+                                               "stride_kh", "stride_vb", "stride_vs", "stride_vh"))
+        + tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
+        + tuple((f"stride_{g}{x}", v) for g in ("dk", "dv", "dq") for x, v in zip("bsh", grads[g]))
+        + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
+           ("num_heads_kv", shapes.heads_kv), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
+           ("num_work", num_work), ("sm_scale", float(options.softmax_scale))),
+        outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
+                 Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
+        constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
+                    ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
+                    ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent)),
+        num_warps=ONE_PASS_WARPS, num_stages=1)
+    numel = 1
+    for n in q_shape:
+        numel *= n
+    block = 2048
+    convert = Launch(
+        module="flash.backward_gluon", kernel="flash_bwd_dq_convert_kernel", grid=(cdiv(numel, block), 1, 1),
+        inputs=("dq_accum",), scalars=(("numel", numel),), outputs=(Output("dquery", q_shape, "like:query"),),
+        constexprs=(("BLOCK", block),), num_warps=4, num_stages=1)
+    return one_pass, convert
 
 
 def plan_dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_prob: float,

@@ -362,6 +362,10 @@ BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride
 BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh", "num_work"]
 PREPROCESS_INTS = ["stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "seqlen_q", "num_heads_q"]
 DROPOUT_MASK_INTS = ["seqlen_q", "seqlen_k", "num_heads", "dropout_seed", "dropout_threshold"]
+ONE_PASS_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+                 "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "stride_dkb",
+                 "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh", "stride_dqb", "stride_dqs",
+                 "stride_dqh", "batch", "seqlen_q", "seqlen_k", "num_heads_kv", "diag", "num_work"]
 
 
 @triton.jit

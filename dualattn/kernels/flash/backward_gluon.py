@@ -1,0 +1,382 @@
+"""One-pass flash-attention backward for Hopper (sm_90), in Gluon with explicit warp specialisation.
+
+The portable backward (backward.py) runs two kernels, dK/dV and dQ, each recomputing P: 7 GEMMs
+per (query tile, key tile).  This kernel computes all three gradients in one pass, 5 GEMMs per tile,
+as FA3 does: dQ partials are reduced into an fp32 buffer by bulk TMA reduce-adds instead of
+recomputing P in a second kernel.  Triton's automatic warp specialisation cannot build this loop
+(benchmarks/NOTES.md step 27), so the partitions are written out (step 28):
+
+  * load warp (1 warp): TMA-loads K and V of its key tile once, then Q_i with lse_i and dO_i with
+    delta_i into a STAGES-deep ring (separate ready barriers: S^T = K Q^T starts before dO lands).
+  * dQ warp (1 warp): waits for the compute warps' fp32 dQ_i (already times the softmax scale) in
+    shared memory and issues cp.reduce.async.bulk.tensor .add into the dQ accumulator.
+  * compute (default partition, 8 warps = two wgmma warpgroups, 64 keys each, 240 registers):
+        S^T  = K Q_i^T,  dP^T = V dO_i^T        (async wgmma, dP^T overlaps exp2 of P^T)
+        P^T  = exp2(S^T * scale*log2e - lse_i*log2e)          (diagonal tiles masked)
+        dS^T = P^T (dP^T - delta_i)
+        dV  += P^T dO_i,  dQ_i = dS K,  dK += dS^T Q_i       (dK retires with the next tile's S)
+    dK (times the scale) and dV are stored once at the end.
+
+One program owns key tile `pid_n` of one KV head of one batch and loops over the query heads of its
+GQA group (whose columns are adjacent: stride_qh == head dim) and their query tiles.  Rows past the
+sequences read as zeros from TMA (K = 0 and dO = 0 make their contributions vanish), so lengths
+need not be tile multiples.  Causal (bottom-right, diag = Sk - Sq + diag_shift): a key tile visits
+query tiles from the first that can see it; the ones straddling the diagonal are masked in a loop of
+their own.  What qualifies, the tile and the launch: plan.one_pass_backward / plan_backward.
+
+flash_bwd_dq_convert_kernel then casts the fp32 accumulator to dQ's dtype (a plain Triton kernel).
+Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
+(compile_check) and GPU tests check its numbers.  One source for Triton 3.6 and 3.7 (bridges below).
+"""
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton._C.libtriton import ir
+
+from .rules import ONE_PASS_INTS
+
+# Triton 3.6 names the partition-wide barrier `thread_barrier`, 3.7 `barrier`.
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Bulk TMA reduce-add of the shared tile `src` into global memory at `coord`.  Neither Triton
+    3.6 nor 3.7 wraps ttng.async_tma_reduce in Python; both builders take (kind, descriptor,
+    coords, smem).  Completion is tracked like a TMA store's (tma.store_wait)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.constexpr_function
+def _mma_layout(M, N, num_warps):
+    """wgmma accumulator layout of an [M, N] tile: warps along M first (16 rows each), then N."""
+    wm = min(num_warps, max(M // 16, 1))
+    wn = num_warps // wm
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, N // wn, 16])
+
+
+@gluon.jit
+def _query_tiles(n0, seqlen_q, diag, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first query tile, query tiles to visit, how many of them straddle the diagonal) for the key
+    tile at n0.  Causal: query row m sees key n iff n <= m + diag."""
+    n_tiles = gl.cdiv(seqlen_q, BM)
+    if CAUSAL:
+        i_start = gl.maximum(n0 - diag, 0) // BM
+        # tiles from i_full on see every key of the tile: i_full * BM >= n0 + BN - 1 - diag
+        i_full = gl.cdiv(gl.maximum(n0 + BN - 1 - diag, 0), BM)
+        n_local = gl.maximum(n_tiles - i_start, 0)
+        n_mask = gl.minimum(gl.maximum(i_full - i_start, 0), n_local)
+    else:
+        i_start = n0 * 0
+        n_local = n_tiles
+        n_mask = n0 * 0
+    return i_start, n_local, n_mask
+
+
+@gluon.jit
+def _work_item(w, seqlen_q, seqlen_k, num_heads_kv, diag, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr,
+               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work item w = (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a
+    row): its batch, KV head, first key, the descriptor coordinates of its first query row and key
+    row, of its query-head group's first column and its KV head's, of its first lse row, and its
+    query tiles (_query_tiles).  PERSISTENT: descriptors over whole arrays, (batch, head) in the
+    coordinates; else over this item's (batch, head group) alone."""
+    n_key_tiles = gl.cdiv(seqlen_k, BN)
+    bh = w // n_key_tiles
+    n0 = (w % n_key_tiles) * BN
+    batch = bh // num_heads_kv
+    kv_head = bh % num_heads_kv
+    i_start, n_local, n_mask = _query_tiles(n0, seqlen_q, diag, BM, BN, CAUSAL)
+    if PERSISTENT:
+        q_row = batch * seqlen_q
+        k_row = batch * seqlen_k + n0
+        q_col = kv_head * (GROUP * HEAD_DIM)
+        k_col = kv_head * HEAD_DIM
+        lse_row = bh * GROUP
+    else:
+        q_row = n0 * 0
+        k_row = n0
+        q_col = n0 * 0
+        k_col = n0 * 0
+        lse_row = n0 * 0
+    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, n_mask
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
+                    lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
+                    seqlen_q, seqlen_k, num_heads_kv, diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                    PERSISTENT: gl.constexpr):
+    r = 0  # ring position: tiles so far, counted alike in every partition
+    item = 0
+    for w in range(w_first, w_end, w_step):
+        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _ = _work_item(
+            w, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        mbarrier.wait(kv_empty, (item & 1) ^ 1)  # the previous item's K, V are read (fresh: passes)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_ready, v_smem)
+        for g in range(GROUP):
+            for j in range(n_local):
+                s = r % STAGES
+                mbarrier.wait(qdo_empty.index(s), ((r // STAGES) & 1) ^ 1)
+                m0 = (i_start + j) * BM
+                # lse rides with Q (needed for P), delta with dO (needed for dS)
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
+                                                q_bufs.index(s))
+                tma.async_copy_global_to_shared(lse_desc, [lse_row + g, m0], q_ready.index(s), lse_bufs.index(s))
+                mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [q_row + m0, q_col + g * HEAD_DIM], do_ready.index(s),
+                                                do_bufs.index(s))
+                tma.async_copy_global_to_shared(delta_desc, [lse_row + g, m0], do_ready.index(s),
+                                                delta_bufs.index(s))
+                r += 1
+        item += 1
+
+
+@gluon.jit
+def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
+                  diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DQ_BUFS: gl.constexpr,
+                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    r = 0
+    for w in range(w_first, w_end, w_step):
+        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _ = _work_item(
+            w, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        for g in range(GROUP):
+            for j in range(n_local):
+                b = r % DQ_BUFS
+                mbarrier.wait(dq_ready.index(b), (r // DQ_BUFS) & 1)
+                _tma_reduce_add(dq_desc, [q_row + (i_start + j) * BM, q_col + g * HEAD_DIM], dq_bufs.index(b))
+                tma.store_wait(0)  # the shared tile has been read: its buffer may be refilled
+                mbarrier.arrive(dq_empty.index(b), count=1)
+                r += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _tile(r, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
+          q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM: gl.constexpr,
+          BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr,
+          MASK: gl.constexpr):
+    """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal."""
+    s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
+                                                 k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    dtype: gl.constexpr = k_smem.dtype
+    s = r % STAGES
+    ph = (r // STAGES) & 1
+    q_buf = q_bufs.index(s)
+    do_buf = do_bufs.index(s)
+
+    mbarrier.wait(q_ready.index(s), ph)
+    st = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(s), ph)
+    dpt = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    lse = lse_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout) * 1.4426950408889634
+    # The previous tile's dK GEMM is still in flight here; this wait retires it too (in order).
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+    if MASK:  # S^T[key n, query m]: keep n <= m + diag (masked before any use: lse may be inf there)
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        queries = m0 + diag + gl.arange(0, BM, layout=col_layout)
+        pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), pt, 0.0)
+    pt16 = pt.to(dtype)
+    dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
+    delta = delta_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    ds_smem.store(dst16)
+    fence_async_shared()
+    _partition_barrier()  # both warpgroups' halves of dS^T are in shared memory before either reads it all
+    # Both warpgroups are past their S wait, so the previous tile's dK GEMM (its Q's last reader) is done.
+    mbarrier.arrive(qdo_empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_buf, dk, is_async=True)
+    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))  # dK stays in flight
+
+    b = r % DQ_BUFS
+    mbarrier.wait(dq_empty.index(b), ((r // DQ_BUFS) & 1) ^ 1)
+    dq_bufs.index(b).store(dq * sm_scale)
+    fence_async_shared()
+    _partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
+    mbarrier.arrive(dq_ready.index(b), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready, kv_empty,
+                       q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh,
+                       stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
+                       diag, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
+    kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
+    dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
+    zero_s = gl.zeros([BN, BM], gl.float32, s_layout)
+    zero_dq = gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout)
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
+    r = 0
+    item = 0
+    for w in range(w_first, w_end, w_step):
+        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, n_mask = _work_item(
+            w, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
+        dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
+        mbarrier.wait(kv_ready, item & 1)
+        for g in range(GROUP):
+            if CAUSAL:
+                for j in range(n_mask):
+                    dk, dv = _tile(r, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs,
+                                   lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
+                                   dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
+                                   NUM_WARPS, True)
+                    r += 1
+            for j in range(n_mask, n_local):
+                dk, dv = _tile(r, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                               delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty,
+                               qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
+                               False)
+                r += 1
+        # Every read of K and V is done (the last tile's barrier): the load warp may refill them.
+        mbarrier.arrive(kv_empty, count=1)
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+        in_bounds = gl.expand_dims(n0 + rows < seqlen_k, 1) & (cols < HEAD_DIM)
+        key_rows = gl.expand_dims((n0 + rows).to(gl.int64), 1)
+        b64 = batch.to(gl.int64)
+        gl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + key_rows * stride_dks + cols,
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=in_bounds)
+        gl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + key_rows * stride_dvs + cols,
+                 dv.to(DV.dtype.element_ty), mask=in_bounds)
+        item += 1
+
+
+@gluon.jit(do_not_specialize=ONE_PASS_INTS)
+def flash_bwd_one_pass_kernel(
+    Q, K, V, DO, LSE, DELTA,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
+    batch, seqlen_q, seqlen_k, num_heads_kv, diag, num_work, sm_scale,
+    DK, DV, DQ_ACCUM, DESC_SCRATCH,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
+    # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
+    # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
+    # ran at 0.6x: nothing shared).  PERSISTENT: (programs,), each takes items w = pid, pid +
+    # programs, ... < num_work and builds its descriptors once, over whole arrays (plan: Sq, Sk
+    # tile multiples, (batch, seq) rows and heads side by side), where a program per item spent
+    # ~10 us building its seven (NOTES step 29).  DESC_SCRATCH: where jax-triton launches keep the
+    # descriptors (jax_api/_scratch.py); Triton's launcher brings its own scratch.
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    heads_q = num_heads_kv * GROUP_SIZE
+    if PERSISTENT:
+        w_first = gl.program_id(0)
+        w_end = num_work
+        w_step = gl.num_programs(0)
+        q_rows = batch * seqlen_q
+        k_rows = batch * seqlen_k
+        lse_rows = batch * heads_q
+        q_cols = heads_q * HEAD_DIM
+        k_cols = num_heads_kv * HEAD_DIM
+        q_base = 0
+        o_base = 0
+        k_base = 0
+        v_base = 0
+        dq_base = 0
+        lse_base = 0
+    else:
+        w_first = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        w_end = w_first + 1
+        w_step = 1
+        b64 = (gl.program_id(1) // num_heads_kv).to(gl.int64)
+        kv_head = gl.program_id(1) % num_heads_kv
+        q_head = kv_head * GROUP_SIZE
+        q_rows = seqlen_q
+        k_rows = seqlen_k
+        lse_rows = GROUP_SIZE
+        q_cols = GROUP_SIZE * HEAD_DIM  # the group's query heads side by side (stride_qh == HEAD_DIM)
+        k_cols = HEAD_DIM
+        q_base = b64 * stride_qb + q_head * stride_qh
+        o_base = b64 * stride_ob + q_head * stride_oh
+        k_base = b64 * stride_kb + kv_head * stride_kh
+        v_base = b64 * stride_vb + kv_head * stride_vh
+        dq_base = b64 * stride_dqb + q_head * stride_dqh
+        lse_base = b64 * stride_lse_b + q_head * stride_lse_h
+    q_desc = tma.make_tensor_descriptor(Q + q_base, [q_rows, q_cols], [stride_qs, 1], [BLOCK_M, HEAD_DIM], q_layout)
+    do_desc = tma.make_tensor_descriptor(DO + o_base, [q_rows, q_cols], [stride_os, 1], [BLOCK_M, HEAD_DIM], q_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACCUM + dq_base, [q_rows, q_cols], [stride_dqs, 1], [BLOCK_M, HEAD_DIM],
+                                         dq_layout)
+    k_desc = tma.make_tensor_descriptor(K + k_base, [k_rows, k_cols], [stride_ks, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + v_base, [k_rows, k_cols], [stride_vs, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + lse_base, [lse_rows, seqlen_q], [stride_lse_h, 1], [1, BLOCK_M],
+                                          vec_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA + lse_base, [lse_rows, seqlen_q], [stride_lse_h, 1], [1, BLOCK_M],
+                                            vec_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_layout)
+
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=1)
+    for j in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(j), count=1)
+        mbarrier.init(do_ready.index(j), count=1)
+        mbarrier.init(qdo_empty.index(j), count=1)
+    for j in gl.static_range(DQ_BUFS):
+        mbarrier.init(dq_ready.index(j), count=1)
+        mbarrier.init(dq_empty.index(j), count=1)
+    fence_async_shared()
+
+    qk_scale = sm_scale * 1.4426950408889634
+    gl.warp_specialize([
+        (_compute_partition, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready,
+                              kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
+                              stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
+                              seqlen_q, seqlen_k, num_heads_kv, diag, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
+                           lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
+                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           GROUP_SIZE, CAUSAL, PERSISTENT)),
+        (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k,
+                         num_heads_kv, diag, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, GROUP_SIZE, CAUSAL, PERSISTENT)),
+    ], [1, 1], [24, 24])
+
+
+@triton.jit
+def flash_bwd_dq_convert_kernel(DQ_ACCUM, numel, DQUERY, BLOCK: tl.constexpr):
+    """dQ = the fp32 accumulator (already scaled) cast to dQ's dtype; both contiguous."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < numel
+    tl.store(DQUERY + offs, tl.load(DQ_ACCUM + offs, mask=keep).to(DQUERY.dtype.element_ty), mask=keep)

@@ -1,0 +1,195 @@
+"""The one-pass Gluon backward (kernels/flash/backward_gluon.py, plan.one_pass_backward).
+
+Gluon has no interpreter: on the CPU these tests check which problems the plan sends to it and
+that every variant compiles for sm_90 (the GPU tests then check its numbers against the float64
+reference, through the public torch API, and that the plan took it: none can pass by never
+running it).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualattn.kernels import compile_check  # noqa: E402
+from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from dualattn.kernels.launch import row_major_strides  # noqa: E402
+from dualattn.options import FlashOptions  # noqa: E402
+from dualattn.validation import FlashShapes  # noqa: E402
+
+ONE_PASS = "flash_bwd_one_pass_kernel"
+
+
+@pytest.fixture(autouse=True)
+def one_pass_at_any_length(monkeypatch):
+    """DUALATTN_ONE_PASS=1: the one-pass kernel whatever the keys (plan.ONE_PASS_MIN_KEYS is a speed
+    rule; these tests are about the kernel), unless a test says otherwise."""
+    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "1")
+    monkeypatch.delenv(flash_plan.PERSISTENT_ENV, raising=False)
+
+
+def _plan(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", gluon=True, q_strides=None, num_sms=132,
+          **opts):
+    shapes = FlashShapes(b, sq, sk, hq, hkv, d, d, dtype, num_sinks=1 if opts.pop("sinks", False) else 0,
+                         sinks_per_head=True, has_bias=opts.pop("bias", False))
+    options = FlashOptions.build(head_dim=d, **opts)
+    strides = {n: row_major_strides((b, s, h, d)) for n, s, h in
+               (("query", sq, hq), ("key", sk, hkv), ("value", sk, hkv), ("out", sq, hq))}
+    if q_strides is not None:
+        strides["query"] = q_strides
+    return flash_plan.plan_backward(shapes, options, strides, config=flash_plan.default_config(shapes, interpret=False),
+                                    warp_specialize=True, gluon=gluon, num_sms=num_sms)
+
+
+def test_plan_takes_the_one_pass_backward_where_it_applies():
+    plan = _plan()
+    assert (plan.dkdv.kernel, plan.dq.kernel) == (ONE_PASS, "flash_bwd_dq_convert_kernel")
+    assert plan.dq.inputs == ("dq_accum",)
+    assert [o.name for o in plan.dkdv.results] == ["dkey", "dvalue", "dq_accum"]
+    # persistent: 64 work items (key tiles of 128 x batch * KV heads) over at most 132 programs
+    assert plan.dkdv.grid == (64, 1, 1) and plan.dkdv.constexpr_dict["PERSISTENT"]
+    assert dict(plan.dkdv.scalars)["num_work"] == 64
+    assert _plan(num_sms=32).dkdv.grid == (32, 1, 1)
+    causal = _plan(causal=True, sq=1000, sk=1200, hq=8, hkv=2, d=64, sinks=True)
+    assert causal.dkdv.kernel == ONE_PASS
+    const, scalars = causal.dkdv.constexpr_dict, dict(causal.dkdv.scalars)
+    assert (const["CAUSAL"], const["GROUP_SIZE"], const["HEAD_DIM"]) == (True, 4, 64)
+    assert scalars["diag"] == 200 and scalars["num_heads_kv"] == 2
+    # Sq not a multiple of 64, Sk of 128: a program per work item, descriptors per (batch, head group)
+    assert causal.dkdv.grid == (10, 4, 1) and not const["PERSISTENT"]
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("no Gluon launcher (JAX, CPU)", dict(gluon=False)),
+    ("head dim 96", dict(d=96)),
+    ("fp32", dict(dtype="float32")),
+    ("window", dict(sliding_window=(256, 0))),
+    ("bias", dict(bias=True)),
+    ("soft cap", dict(logits_soft_cap=20.0)),
+    ("lse rows not 16-byte aligned", dict(sq=1022, sk=1022)),
+    ("GQA with query heads not side by side", dict(hq=8, hkv=2, q_strides=row_major_strides((2, 8, 1024, 128))[:1]
+                                                   + (128, 1024 * 128, 1))),
+])
+def test_plan_keeps_the_two_pass_backward(why, kwargs):
+    assert _plan(**kwargs).dkdv.kernel == "flash_bwd_dkdv_kernel", why
+
+
+def test_one_pass_off_with_env(monkeypatch):
+    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "0")
+    assert _plan().dkdv.kernel == "flash_bwd_dkdv_kernel"
+
+
+def test_one_pass_speed_rules(monkeypatch):
+    """By default: from ONE_PASS_MIN_KEYS keys (non-causal 4096, causal 8192), persistent up to
+    PERSISTENT_BWD_MAX_KEYS keys and never causal (DUALATTN_PERSISTENT=1 forces it)."""
+    monkeypatch.delenv(flash_plan.ONE_PASS_ENV)
+
+    def layout(s, causal=False):
+        plan = _plan(b=1, sq=s, sk=s, causal=causal)
+        return plan.dkdv.kernel == ONE_PASS and (plan.dkdv.constexpr_dict["PERSISTENT"] and "persistent" or "grid")
+
+    assert [layout(s) for s in (2048, 4096, 8192)] == [False, "persistent", "grid"]
+    assert [layout(s, causal=True) for s in (4096, 8192)] == [False, "grid"]
+    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "1")
+    assert layout(8192, causal=True) == "persistent"
+    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
+    assert layout(4096) == "grid"
+
+
+@pytest.mark.parametrize("d, causal, hq, hkv, dtype, sq", [
+    (128, False, 4, 4, "bfloat16", 1024), (128, True, 8, 2, "bfloat16", 1024), (64, False, 8, 2, "float16", 1024),
+    (64, True, 4, 4, "bfloat16", 1024), (128, True, 4, 2, "bfloat16", 1000), (64, False, 4, 4, "bfloat16", 1000)])
+def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq):
+    """The Gluon kernel (persistent; per work item where causal or Sq = 1000) and the dQ cast compile for
+    sm_90 (GluonASTSource); the two worker warps take one more warpgroup next to the 8 compute warps
+    and 24 registers, the compute warpgroups 240 (FA3's split)."""
+    plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sq=sq, sk=sq)
+    assert plan.dkdv.constexpr_dict["PERSISTENT"] == (sq == 1024 and not causal)
+    dtypes = dict.fromkeys(("query", "key", "value", "dout"), dtype)
+    dtypes.update(lse="float32", delta="float32")
+    compiled = compile_check.compile_launch(plan.dkdv, dtypes, arch=90)
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.num_warps == 12   # the two 1-warp workers take a warpgroup together
+    assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
+    assert "cp.reduce.async.bulk.tensor" in ptx   # dQ reduced by TMA, not atomics
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+    convert = compile_check.compile_launch(plan.dq, {"dq_accum": "float32", "query": dtype}, arch=90)
+    assert f".entry {plan.dq.kernel}(" in convert.asm["ptx"]
+
+
+# ---- GPU: numbers against the float64 reference, through the public API ----
+
+def _require_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is a Gluon kernel for sm_90 only")
+
+
+def _spy_kernels(monkeypatch) -> list:
+    kernels, real = [], flash_plan.plan_backward
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        kernels.append(plan.dkdv.kernel)
+        return plan
+
+    monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    return kernels
+
+
+GPU_CASES = {
+    "d128": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts={}),
+    "d64-causal": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=64, opts=dict(causal=True)),
+    "d128-causal-gqa-sinks": dict(b=1, sq=1024, sk=1024, hq=8, hkv=2, d=128, opts=dict(causal=True), sinks=True),
+    # lengths that are not tile multiples: TMA pads rows past the end with zeros
+    "d64-ragged-gqa": dict(b=2, sq=1000, sk=1100, hq=6, hkv=2, d=64, opts={}),
+    "d128-ragged-causal": dict(b=1, sq=1000, sk=1000, hq=2, hkv=2, d=128, opts=dict(causal=True)),
+    # bottom-right causal: more keys than queries, and more queries than keys (rows 0-299 see nothing)
+    "d128-causal-more-keys": dict(b=1, sq=512, sk=1300, hq=2, hkv=2, d=128, opts=dict(causal=True)),
+    "d64-causal-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=64, opts=dict(causal=True)),
+    # persistent with few programs: each takes several work items (barrier phases carried over)
+    "d128-causal-gqa-7-programs": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=128, opts=dict(causal=True), sinks=True,
+                                       num_sms="7", persistent="1"),
+    "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7"),
+    "d128-fp16-scale": dict(b=1, sq=768, sk=2048, hq=2, hkv=2, d=128, opts=dict(softmax_scale=0.05),
+                            dtype=torch.float16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu_one_pass_backward(case, monkeypatch, seed):
+    from test_warp_specialize import _check_against_reference   # tests/torch is on sys.path (rootdir conftest)
+    _require_sm90()
+    c = dict(GPU_CASES[case])
+    monkeypatch.delenv("DUALATTN_WS", raising=False)
+    kernels = _spy_kernels(monkeypatch)
+    dtype = c.pop("dtype", torch.bfloat16)
+    if "num_sms" in c:
+        monkeypatch.setenv("DUALATTN_NUM_SMS", c.pop("num_sms"))
+    if "persistent" in c:
+        monkeypatch.setenv(flash_plan.PERSISTENT_ENV, c.pop("persistent"))
+    _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
+                             c.pop("opts"), device="cuda", dtype=dtype, seed=seed, tol=1e-2, **c)
+    assert kernels == [ONE_PASS], kernels
+
+
+@pytest.mark.gpu
+def test_gpu_one_pass_matches_two_pass(monkeypatch, seed):
+    """Gradients of the one-pass and two-pass backwards agree to bf16 rounding (same forward)."""
+    _require_sm90()
+    from dualattn.torch_api import flash_attention
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 4096, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    kernels = _spy_kernels(monkeypatch)
+    grads = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(flash_plan.ONE_PASS_ENV, flag)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*leaves, causal=True)
+        grads[flag] = torch.autograd.grad(out, leaves, do)
+    assert kernels == [ONE_PASS, "flash_bwd_dkdv_kernel"]
+    for a, b in zip(grads["1"], grads["0"]):
+        assert not torch.isnan(a).any()
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
