@@ -82,7 +82,8 @@ def test_one_pass_off_with_env(monkeypatch):
 
 
 def test_one_pass_speed_rules(monkeypatch):
-    """By default: from ONE_PASS_MIN_KEYS keys (non-causal 4096, causal 8192), persistent up to
+    """By default: from ONE_PASS_MIN_KEYS keys (non-causal 4096, causal 8192) to ONE_PASS_MAX_KEYS
+    (32768: its fp32 dQ accumulator costs memory), persistent up to
     PERSISTENT_BWD_MAX_KEYS keys and never causal (DUALATTN_PERSISTENT=1 forces it)."""
     monkeypatch.delenv(flash_plan.ONE_PASS_ENV)
 
@@ -90,7 +91,7 @@ def test_one_pass_speed_rules(monkeypatch):
         plan = _plan(b=1, sq=s, sk=s, causal=causal)
         return plan.dkdv.kernel == ONE_PASS and (plan.dkdv.constexpr_dict["PERSISTENT"] and "persistent" or "grid")
 
-    assert [layout(s) for s in (2048, 4096, 8192)] == [False, "persistent", "grid"]
+    assert [layout(s) for s in (2048, 4096, 8192, 32768, 65536)] == [False, "persistent", "grid", "grid", False]
     assert [layout(s, causal=True) for s in (4096, 8192)] == [False, "grid"]
     monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "1")
     assert layout(8192, causal=True) == "persistent"

@@ -489,6 +489,11 @@ ONE_PASS_ENV = "DUALATTN_ONE_PASS"
 # D=128 +6% (one noisy cell), -15%, 0, +3%, +9% (D=64 -26%, -12%, -2%, +3%, +10%).  Short problems
 # lose the per-work-item set-up and the dQ accumulator's zero-fill and cast (~0.1 ms).
 ONE_PASS_MIN_KEYS = {False: 4096, True: 8192}
+# Most keys for it: its fp32 dQ accumulator raises fwd+bwd peak memory from 1.01x to 1.25x the
+# tensors a backward must hold (q, k, v, o, dO, dq, dk, dv, lse; `..._memory15.json`, B=1 H=16
+# D=128, S = 8192 ... 131072).  At the longest sequences memory binds, so there the two-pass kernels
+# (no accumulator) run.
+ONE_PASS_MAX_KEYS = 32768
 
 
 def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides,
@@ -500,12 +505,13 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     K and V), no window other than causal, and lse rows 16-byte aligned for TMA (Sq % 4 == 0,
     which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
-    the preprocess's dsinks.  Where it pays: Sk >= ONE_PASS_MIN_KEYS.  flag: DUALATTN_ONE_PASS,
-    "0" / "1" turn it off / on whatever the keys (A/B runs, tests)."""
+    the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS <= Sk <=
+    ONE_PASS_MAX_KEYS.  flag: DUALATTN_ONE_PASS, "0" / "1" turn it off / on whatever the keys (A/B
+    runs, tests)."""
     tile = ONE_PASS_TILES.get(shapes.head_dim)
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
         return None
-    if flag != "1" and shapes.seqlen_k < ONE_PASS_MIN_KEYS[options.window_right == 0]:
+    if flag != "1" and not ONE_PASS_MIN_KEYS[options.window_right == 0] <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
         return None
     if options.window_left is not None or options.window_right not in (None, 0) or not _warp_specializable(
             shapes, sparse, constexprs):
