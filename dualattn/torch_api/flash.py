@@ -163,11 +163,11 @@ def _warp_specialize(a: dict) -> bool:
     return flash_plan.warp_specialize_requested(arch) and _descriptors(a)
 
 
-def _gluon(a: dict) -> bool:
+def _gluon(a: dict, warp_specialize: bool) -> bool:
     """Whether the plans may pick the Gluon (sm_90-only) one-pass backward: an sm_90 GPU where the
-    warp-specialised kernels are allowed (plan.warp_specialize_requested)."""
+    warp-specialised kernels are allowed (`warp_specialize`, what _warp_specialize(a) gave)."""
     query = a["query"]
-    return query.is_cuda and _gpu(query.device.index)[1] == 90 and _warp_specialize(a)
+    return warp_specialize and query.is_cuda and _gpu(query.device.index)[1] == 90
 
 
 def _num_sms(a: dict) -> int:
@@ -245,10 +245,11 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
     # dO is read with O's strides (both contiguous BSHD / packed), dlse with lse's.
     a.update(out=_cpu_upcast(out).contiguous(), dout=_cpu_upcast(dout).to(a["query"].dtype).contiguous(),
              lse=lse.contiguous(), dlse=None if dlse is None else dlse.float().contiguous())
+    ws = _warp_specialize(a)
     plan = flash_plan.plan_backward(shapes, r.options, _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
                                     config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                    lse_grad=dlse is not None, warp_specialize=_warp_specialize(a),
-                                    num_sms=_num_sms(a), gluon=_gluon(a))
+                                    lse_grad=dlse is not None, warp_specialize=ws, num_sms=_num_sms(a),
+                                    gluon=_gluon(a, ws))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)
