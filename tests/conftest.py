@@ -78,6 +78,8 @@ def forward_plan_flags(monkeypatch):
     def spy_on(name: str) -> list:
         from dualattn.kernels.flash import plan as flash_plan
         flags, real = [], flash_plan.plan_forward
+        # The Triton forward's flags: not the Gluon forward's (tests/torch/test_gluon_forward.py).
+        monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "0")
 
         def spy(*args, **kwargs):
             launch = real(*args, **kwargs)

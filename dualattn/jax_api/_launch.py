@@ -18,7 +18,7 @@ import numpy as np
 
 from ..kernels import _interpret
 from ..kernels.launch import Launch
-from . import _scratch, ptxas
+from . import _gluon, _scratch, ptxas
 
 _DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int32": jnp.int32,
            "int8": jnp.int8}
@@ -55,6 +55,7 @@ def _import_jax_triton():
         os.environ["TRITON_CACHE_DIR"] = saved
     # Before the first launch is traced, so before jaxlib assembles any of our kernels.
     ptxas.apply_env(gpu_arch())
+    _gluon.install(jax_triton)
     return jax_triton
 
 

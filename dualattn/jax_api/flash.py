@@ -40,6 +40,7 @@ class _Static:
     sparse: Optional[flash_plan.SparseInfo] = None  # block-sparse layout; its lists are in the arrays
     tma: bool = False               # plan flags, as the torch launcher sets them (_descriptor_flags)
     warp_specialize: bool = False
+    gluon: bool = False             # may run the Gluon kernels (plan.gluon_allowed; _gluon.py)
     num_sms: int = 0                # the GPU's SMs, for persistent launches (plan.persistent_forward, _backward)
 
 
@@ -52,7 +53,8 @@ def _forward(static: _Static, arrays: dict):
     launch = flash_plan.plan_forward(static.shapes, static.options,
                                      {**_strides(arrays), "out": row_major_strides(out_shape)},
                                      config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
-                                     tma=static.tma, warp_specialize=static.warp_specialize, num_sms=static.num_sms)
+                                     tma=static.tma, warp_specialize=static.warp_specialize, num_sms=static.num_sms,
+                                     gluon=static.gluon)
     res = _launch.run(launch, arrays)
     return vary_like((res["out"], res["lse"]), arrays["query"], arrays["key"], arrays["value"])
 
@@ -74,7 +76,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
                                     tma=static.tma, warp_specialize=static.warp_specialize, lse_grad=True,
-                                    num_sms=static.num_sms)
+                                    num_sms=static.num_sms, gluon=static.gluon)
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
@@ -145,8 +147,9 @@ def _descriptor_flags(query) -> dict:
     need; the descriptors live in the launch's DESC_SCRATCH buffer (_scratch.py)."""
     arch = _launch.gpu_arch() if _launch._on_gpu(query) else None
     descriptors = arch is None or arch >= 90
-    return dict(tma=flash_plan.tma_requested() and descriptors,
-                warp_specialize=flash_plan.warp_specialize_requested(arch) and descriptors,
+    warp_specialize = flash_plan.warp_specialize_requested(arch) and descriptors
+    return dict(tma=flash_plan.tma_requested() and descriptors, warp_specialize=warp_specialize,
+                gluon=flash_plan.gluon_allowed(arch, warp_specialize),
                 num_sms=sm_count(0 if arch is not None else None))
 
 

@@ -35,8 +35,9 @@ def triton_ptxas(arch: int = 90) -> str:
 def kernel_names() -> tuple:
     """The entry names of dualattn's Triton kernels (what the router looks for in a PTX file)."""
     import triton
-    from ..kernels.flash import backward, forward
-    return tuple(sorted(name for module in (forward, backward) for name, obj in vars(module).items()
+    from ..kernels.flash import backward, backward_gluon, forward, forward_gluon
+    return tuple(sorted(name for module in (forward, backward, forward_gluon, backward_gluon)
+                        for name, obj in vars(module).items()
                         if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")))
 
 

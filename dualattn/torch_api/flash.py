@@ -167,7 +167,7 @@ def _gluon(a: dict, warp_specialize: bool) -> bool:
     """Whether the plans may pick the Gluon (sm_90-only) one-pass backward: an sm_90 GPU where the
     warp-specialised kernels are allowed (`warp_specialize`, what _warp_specialize(a) gave)."""
     query = a["query"]
-    return warp_specialize and query.is_cuda and _gpu(query.device.index)[1] == 90
+    return query.is_cuda and flash_plan.gluon_allowed(_gpu(query.device.index)[1], warp_specialize)
 
 
 def _num_sms(a: dict) -> int:
@@ -199,9 +199,10 @@ def _forward(named: dict):
     a, sparse, r = _problem(named)
     query = named["query"]
     out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
+    ws = _warp_specialize(a)
     launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
                                      diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                     warp_specialize=_warp_specialize(a), num_sms=_num_sms(a))
+                                     warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws))
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"], r
 

@@ -241,29 +241,48 @@ GPU_CASES = [(2, 4096, 8, 128, False, (True, False, True, True)), (2, 4096, 8, 6
              (2, 2048, 8, 128, True, (True, False, True, True)), (1, 8192, 4, 128, True, (True, True, True, False))]
 
 
+# The backward each GPU parity case runs: the portable kernels (DUALATTN_WS=0), or on sm_90 the
+# warp-specialised two-pass kernels or the one-pass Gluon kernel (forced either way: the default
+# picks by length, plan.ONE_PASS_MIN_KEYS).
+BACKWARDS = {"portable": {"DUALATTN_WS": "0", "DUALATTN_ONE_PASS": None},
+             "two-pass": {"DUALATTN_WS": None, "DUALATTN_ONE_PASS": "0"},
+             "one-pass": {"DUALATTN_WS": None, "DUALATTN_ONE_PASS": "1"}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", ["0", None], ids=["portable", "default"])
+@pytest.mark.parametrize("backward", list(BACKWARDS))
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"b{c[0]}-s{c[1]}-h{c[2]}-d{c[3]}-causal{int(c[4])}")
-def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, ws, case):
+def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
     """The very same bits in both frameworks, on torch tensors handed to jax through DLPack: with
-    DUALATTN_WS=0 (portable kernels) and with the default flags, where on sm_90 both take the
-    warp-specialised kernels (JAX's descriptors in DESC_SCRATCH, jax_api/_scratch.py) and the
-    split causal band (JAX resumes the edges launch from fresh buffers, torch in place).  Torch's
-    one-pass Gluon backward is off here (DUALATTN_ONE_PASS=0): jax-triton 0.3.1 cannot compile
-    Gluon kernels, so the JAX path runs the two-pass kernels, whose dQ sums in another order
-    (tests/torch/test_one_pass.py checks the one-pass kernel against the reference)."""
-    monkeypatch.setenv("DUALATTN_ONE_PASS", "0")
-    if ws is None:
-        monkeypatch.delenv("DUALATTN_WS", raising=False)
-    else:
-        monkeypatch.setenv("DUALATTN_WS", ws)
+    the portable kernels and with the default flags, where on sm_90 both take the warp-specialised
+    kernels (JAX's descriptors in DESC_SCRATCH, jax_api/_scratch.py), the split causal band (JAX
+    resumes the edges launch from fresh buffers, torch in place) and, with either backward, the
+    same backward kernels: the one-pass Gluon kernel reaches JAX through jax_api/_gluon.py (its dQ
+    is the one result that is not bitwise reproducible, below)."""
+    for name, value in BACKWARDS[backward].items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    one_pass = backward == "one-pass" and torch.cuda.get_device_capability() == (9, 0)
     b, s, h, d, causal, expected = case
-    if ws is None and torch.cuda.get_device_capability()[0] == 9:
+    if backward != "portable" and torch.cuda.get_device_capability()[0] == 9:
         fwd, dq = _default_plans((b, s, h, d), causal, torch.cuda.get_device_properties(0).multi_processor_count)
         got = (fwd.constexpr_dict["WARP_SPECIALIZE"], fwd.then is not None, dq.constexpr_dict["WARP_SPECIALIZE"],
                fwd.constexpr_dict["PERSISTENT"])
         assert got == expected
+    from test_one_pass import spy_kernels   # tests/torch is on sys.path (rootdir conftest)
+    backward_kernels = spy_kernels(monkeypatch)
     t, j = _gpu_both(_gpu_inputs(0, b, s, h, d), causal)
     for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):
         same = a.view(torch.int16) == ref.view(torch.int16)
+        if name == "dq" and one_pass:
+            # The one-pass kernel adds each key tile's dQ into fp32 by TMA reductions, in whatever
+            # order the programs reach them (as FA3): run to run, in either framework, a few sums
+            # round the other way.  Within one bf16 step of each other, and rarely.
+            step = ref.float().abs() * 2.0 ** -7 + 1e-6
+            assert bool(((a.float() - ref.float()).abs() <= step).all()) and int((~same).sum()) < same.numel() // 1000
+            continue
         assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
+    # torch's and JAX's backward plans (JAX may plan twice: trace and lowering) chose alike
+    assert len(backward_kernels) >= 2 and all((k == "flash_bwd_one_pass_kernel") == one_pass for k in backward_kernels)

@@ -30,17 +30,36 @@ def one_pass_at_any_length(monkeypatch):
     monkeypatch.delenv(flash_plan.PERSISTENT_ENV, raising=False)
 
 
-def _plan(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", gluon=True, q_strides=None, num_sms=132,
-          **opts):
+def gluon_problem(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", strides=None, **opts):
+    """(shapes, options, strides, config) of a plan for the Gluon kernels' tests (this file and
+    test_gluon_forward.py); `strides` replaces some of the contiguous ones."""
     shapes = FlashShapes(b, sq, sk, hq, hkv, d, d, dtype, num_sinks=1 if opts.pop("sinks", False) else 0,
                          sinks_per_head=True, has_bias=opts.pop("bias", False))
     options = FlashOptions.build(head_dim=d, **opts)
-    strides = {n: row_major_strides((b, s, h, d)) for n, s, h in
-               (("query", sq, hq), ("key", sk, hkv), ("value", sk, hkv), ("out", sq, hq))}
-    if q_strides is not None:
-        strides["query"] = q_strides
-    return flash_plan.plan_backward(shapes, options, strides, config=flash_plan.default_config(shapes, interpret=False),
-                                    warp_specialize=True, gluon=gluon, num_sms=num_sms)
+    contiguous = {n: row_major_strides((b, s, h, d)) for n, s, h in
+                  (("query", sq, hq), ("key", sk, hkv), ("value", sk, hkv), ("out", sq, hq))}
+    return shapes, options, {**contiguous, **(strides or {})}, flash_plan.default_config(shapes, interpret=False)
+
+
+def spy_kernels(monkeypatch, plan_name="plan_backward") -> list:
+    """The kernel names of every launch flash_plan.<plan_name> gives from then on (the backward's
+    dK/dV launch, or the forward launch)."""
+    kernels, real = [], getattr(flash_plan, plan_name)
+
+    def spy(*args, **kwargs):
+        planned = real(*args, **kwargs)
+        kernels.append(planned.dkdv.kernel if plan_name == "plan_backward" else planned.kernel)
+        return planned
+
+    monkeypatch.setattr(flash_plan, plan_name, spy)
+    return kernels
+
+
+def _plan(gluon=True, q_strides=None, num_sms=132, **kwargs):
+    shapes, options, strides, config = gluon_problem(
+        strides=None if q_strides is None else {"query": q_strides}, **kwargs)
+    return flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, gluon=gluon,
+                                    num_sms=num_sms)
 
 
 def test_plan_takes_the_one_pass_backward_where_it_applies():
@@ -127,18 +146,6 @@ def _require_sm90():
         pytest.skip("the one-pass backward is a Gluon kernel for sm_90 only")
 
 
-def _spy_kernels(monkeypatch) -> list:
-    kernels, real = [], flash_plan.plan_backward
-
-    def spy(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        kernels.append(plan.dkdv.kernel)
-        return plan
-
-    monkeypatch.setattr(flash_plan, "plan_backward", spy)
-    return kernels
-
-
 GPU_CASES = {
     "d128": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts={}),
     "d64-causal": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=64, opts=dict(causal=True)),
@@ -161,19 +168,24 @@ GPU_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
 def test_gpu_one_pass_backward(case, monkeypatch, seed):
-    from test_warp_specialize import _check_against_reference   # tests/torch is on sys.path (rootdir conftest)
     _require_sm90()
-    c = dict(GPU_CASES[case])
     monkeypatch.delenv("DUALATTN_WS", raising=False)
-    kernels = _spy_kernels(monkeypatch)
+    kernels = spy_kernels(monkeypatch)
+    check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"persistent": flash_plan.PERSISTENT_ENV})
+    assert kernels == [ONE_PASS], kernels
+
+
+def check_gpu_case(monkeypatch, case: dict, seed, env: dict):
+    """One GPU_CASES entry against the float64 reference through the public torch API: `num_sms`
+    sets DUALATTN_NUM_SMS, and each key of `env` present in the case sets that variable."""
+    from test_warp_specialize import _check_against_reference   # tests/torch is on sys.path (rootdir conftest)
+    c = dict(case)
     dtype = c.pop("dtype", torch.bfloat16)
-    if "num_sms" in c:
-        monkeypatch.setenv("DUALATTN_NUM_SMS", c.pop("num_sms"))
-    if "persistent" in c:
-        monkeypatch.setenv(flash_plan.PERSISTENT_ENV, c.pop("persistent"))
+    for key, name in {"num_sms": "DUALATTN_NUM_SMS", **env}.items():
+        if key in c:
+            monkeypatch.setenv(name, c.pop(key))
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=dtype, seed=seed, tol=1e-2, **c)
-    assert kernels == [ONE_PASS], kernels
 
 
 @pytest.mark.gpu
@@ -183,7 +195,7 @@ def test_gpu_one_pass_matches_two_pass(monkeypatch, seed):
     from dualattn.torch_api import flash_attention
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(2, 4096, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    kernels = _spy_kernels(monkeypatch)
+    kernels = spy_kernels(monkeypatch)
     grads = {}
     for flag in ("1", "0"):
         monkeypatch.setenv(flash_plan.ONE_PASS_ENV, flag)

@@ -242,6 +242,13 @@ def warp_specialize_requested(arch: Optional[int]) -> bool:
     return flag == "1" or (flag != "0" and arch == 90)
 
 
+def gluon_allowed(arch: Optional[int], warp_specialize: bool) -> bool:
+    """Whether a launcher may run the Gluon one-pass backward (plan_backward's `gluon`): it exists
+    for sm_90 only (wgmma, setmaxnreg), and goes with the warp-specialised kernels (DUALATTN_WS=0
+    turns both off).  `warp_specialize`: the launcher's warp_specialize flag for this call."""
+    return warp_specialize and arch == 90
+
+
 def _use_tma(requested: bool, shapes: FlashShapes, constexprs) -> bool:
     """TMA tile loads (rules.row_tiles) where the launcher asked for them and a descriptor is
     legal: 16-byte aligned rows and head offsets (every stride a multiple of 16 elements; the
@@ -521,13 +528,71 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     return tile
 
 
-PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV, ONE_PASS_ENV)
+# The Gluon forward (forward_gluon.py): (BLOCK_M, BLOCK_N, STAGES); two 64-row compute warpgroups,
+# 4 warps each.  Against the Triton forward (benchmarks/experiments/gluon_fwd_bench.py, kernel time,
+# 16k tokens, NOTES step 30): causal +11-19% at S >= 2048 for D=64 and D=128 (0.95-1.00x cuDNN);
+# non-causal -3 to +14%, so the Triton forward keeps it.
+GLUON_FWD_TILE = (128, 128, 2)
+GLUON_FWD_WARPS = 4
+GLUON_FWD_ENV = "DUALATTN_GLUON_FWD"
+
+
+def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides, constexprs,
+                  flag: Optional[str] = None) -> bool:
+    """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
+
+    What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
+    for K and V), no sinks and no window other than causal; descriptors over whole arrays, so in
+    query, key and value the heads side by side and the batches end to end, and out's heads side
+    by side.  Where it pays: causal.  flag: DUALATTN_GLUON_FWD, "0" / "1" turn it off / on
+    (non-causal too; A/B runs, tests)."""
+    if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
+        return False
+    if options.window_left is not None or options.window_right not in (None, 0) or shapes.num_sinks:
+        return False
+    if flag != "1" and options.window_right != 0:
+        return False
+    if not _warp_specializable(shapes, sparse, constexprs):
+        return False
+    rows = {"query": shapes.seqlen_q, "key": shapes.seqlen_k, "value": shapes.seqlen_k}
+    return strides["out"][2] == shapes.head_dim and all(
+        strides[n][2] == shapes.head_dim and (shapes.batch == 1 or strides[n][0] == r * strides[n][1])
+        for n, r in rows.items())
+
+
+def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
+                          num_sms: int) -> Launch:
+    """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
+    causal, a pair of them)."""
+    block_m, block_n, stages = GLUON_FWD_TILE
+    causal = options.window_right == 0
+    q_tiles = cdiv(shapes.seqlen_q, block_m)
+    num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal else q_tiles)
+    grid = (max(1, min(num_sms or num_work, num_work)), 1, 1)
+    return Launch(
+        module="flash.forward_gluon", kernel="flash_fwd_gluon_kernel", grid=grid,
+        inputs=("query", "key", "value"),
+        scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
+                                               "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ob",
+                                               "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
+        + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
+           ("num_heads_q", shapes.heads_q), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
+           ("num_work", num_work), ("sm_scale", float(options.softmax_scale))),
+        outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
+                 desc_scratch(grid, True)),
+        constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
+                    ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
+                    ("EVEN_K", shapes.seqlen_k % block_n == 0)),
+        num_warps=GLUON_FWD_WARPS, num_stages=1)
+
+
+PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV, ONE_PASS_ENV, GLUON_FWD_ENV)
 
 
 @_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
-                 tma: bool = False, warp_specialize: bool = False, num_sms: int = 0,
+                 tma: bool = False, warp_specialize: bool = False, num_sms: int = 0, gluon: bool = False,
                  env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
@@ -537,11 +602,14 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     an sm_90 GPU and allows the warp-specialised variant, which eligible problems then take with
     WS_TILE in place of config.fwd; where split_band, the returned launch's `then` finishes the
     masked edges, resuming from its out and lse (FWD_RESUME).  `num_sms`: the GPU's SM count, for
-    a persistent warp-specialised launch (persistent_forward; 0: never persistent).
+    a persistent warp-specialised launch (persistent_forward; 0: never persistent).  `gluon`: as
+    plan_backward's; problems gluon_forward accepts then get the Gluon forward.
     """
     config = sparse.config() if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     switch = dict(env)
+    if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
+        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms)
     persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
                   and whole_array_tiles(shapes, scalars, constexprs))
     ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (

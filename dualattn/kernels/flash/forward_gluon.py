@@ -1,0 +1,281 @@
+"""Flash-attention forward for Hopper (sm_90), in Gluon with explicit warp specialisation (FA3's).
+
+The Triton forward (forward.py) leaves the schedule to the compiler's warp specialisation.  Here
+the partitions are written out, as in FA3:
+
+  * load warp (1 warp): TMA-loads the program's query tile (two 64-row halves) and streams K and V
+    tiles through a STAGES-deep ring (separate ready barriers: S = Q K^T starts before V lands).
+  * two compute warpgroups (the default partition and a worker, 4 warps and 240 registers each),
+    each owning one 64-row half of the query tile: independent instruction streams, so one's
+    softmax (exp2 on the SFU) overlaps the other's wgmma.  Within a warpgroup the loop is software
+    pipelined: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued together, and the softmax of
+    S_{j+1} runs as soon as S_{j+1} is back, with O += P_j V_j still on the tensor cores.
+
+Persistent: one program per SM takes work items w = pid, pid + programs, ... (_fwd_item: one query
+tile, or causal, a long and a short one) through descriptors over the whole arrays, built once
+(plan: heads side by side, batches end to end).  Rows past a sequence's end belong to the next
+batch (or TMA's zero padding): keys there are masked, query rows there are not stored.
+Causal is bottom-right (query row m sees key n iff n <= m + diag, diag = Sk - Sq + shift).
+Fully masked rows give O = 0 and lse = -inf.  What qualifies and the tiles: plan.gluon_forward.
+Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
+(compile_check) and GPU tests check its numbers.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .backward_gluon import _mma_layout, _partition_barrier
+from .rules import GLUON_FWD_INTS
+
+
+@gluon.jit
+def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, BM: gl.constexpr, BN: gl.constexpr,
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    """Query tile `sub` of work item w: whether it exists, its batch, query head, KV head, first
+    query row, key tiles to visit and how many of those need no causal mask.  One head's items
+    are consecutive, so programs taking items in turn work side by side on its K and V (L2).
+    Non-causal: an item is one query tile.  Causal: an item is a pair of query tiles, t from the
+    end and t from the start (the middle one alone when the count is odd): every item then
+    has as many key tiles to visit, and programs taking items in turn finish together."""
+    n_q_tiles = gl.cdiv(seqlen_q, BM)
+    if CAUSAL:
+        n_pairs = gl.cdiv(n_q_tiles, 2)
+        bh = w // n_pairs
+        pair = w % n_pairs
+        t = n_q_tiles - 1 - pair
+        if sub == 1:
+            t = pair
+        valid = (sub == 0) | (pair != n_q_tiles - 1 - pair)
+    else:
+        bh = w // n_q_tiles
+        t = w % n_q_tiles
+        valid = sub == 0
+    m0 = t * BM
+    batch = bh // num_heads_q
+    head = bh % num_heads_q
+    if CAUSAL:
+        n_end = gl.minimum(gl.maximum(m0 + BM + diag, 0), seqlen_k)  # keys < n_end are seen by some row
+        n_tiles = gl.cdiv(n_end, BN)
+        n_full = gl.minimum(gl.maximum(m0 + diag + 1, 0), seqlen_k) // BN  # seen by every row of the tile
+    else:
+        n_tiles = gl.cdiv(seqlen_k, BN)
+        n_full = seqlen_k // BN
+    return valid, batch, head, head // GROUP, m0, n_tiles, n_full
+
+
+@gluon.jit
+def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, w_first,
+              w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    HM: gl.constexpr = BM // 2
+    SUBS: gl.constexpr = 2 if CAUSAL else 1
+    r = 0     # key tiles so far, counted alike in every partition
+    tile = 0  # query tiles so far
+    for w in range(w_first, w_end, w_step):
+        for sub in range(SUBS):
+            valid, batch, head, kv_head, m0, n_tiles, _ = _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag,
+                                                                    BM, BN, GROUP, CAUSAL)
+            if valid:
+                q_row = batch * seqlen_q + m0
+                k_row = batch * seqlen_k
+                # Both halves' last S GEMMs of the previous tile are done with Q (fresh: passes).
+                mbarrier.wait(q_empty, (tile & 1) ^ 1)
+                mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready, q_bufs.index(0))
+                tma.async_copy_global_to_shared(q_desc, [q_row + HM, head * HEAD_DIM], q_ready, q_bufs.index(1))
+                for j in range(n_tiles):
+                    s = r % STAGES
+                    mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, kv_head * HEAD_DIM], k_ready.index(s),
+                                                    k_bufs.index(s))
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [k_row + j * BN, kv_head * HEAD_DIM], v_ready.index(s),
+                                                    v_bufs.index(s))
+                    r += 1
+                tile += 1
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, masked, CAUSAL: gl.constexpr, BN: gl.constexpr,
+             EVEN_K: gl.constexpr):
+    """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
+    Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
+    FMA per element."""
+    # The branch stays in the loop even where it is never taken (non-causal, Sk a multiple of BN):
+    # without it ptxas schedules the loop worse, 10-24% slower (NOTES step 30).  EVEN_K (no tile
+    # reaches past the keys) drops the key bound from the causal mask, where it made ptxas spill.
+    if masked:
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+        if CAUSAL:
+            ok = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diag, 1)
+            if not EVEN_K:
+                ok = ok & gl.expand_dims(keys < seqlen_k, 0)
+        else:
+            ok = gl.expand_dims(keys < seqlen_k, 0)
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              seqlen_k, diag, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr):
+    """One warpgroup's half of one query tile: (O unnormalised, row max, row sum, its rows)."""
+    HM: gl.constexpr = BM // 2
+    s_layout: gl.constexpr = _mma_layout(HM, BN, 4)        # S, P: [HM, BN]
+    o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    zero_s = gl.zeros([HM, BN], gl.float32, s_layout)
+    rows = m0 + HALF * HM + gl.arange(0, HM, layout=row_s)
+    m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([HM], gl.float32, row_s)
+    acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_ready, tile & 1)
+    if n_tiles > 0:
+        # Prologue: S_0 and its softmax.
+        st = r % STAGES
+        mbarrier.wait(k_ready.index(st), (r // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        mbarrier.arrive(q_empty, count=1, pred=n_tiles == 1)  # the last S GEMM has read Q
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, rows, seqlen_k, diag, n_full == 0, CAUSAL, BN,
+                                       EVEN_K)
+        for j in range(1, n_tiles):
+            rn = r + j
+            sn = rn % STAGES
+            sp = (rn - 1) % STAGES
+            mbarrier.wait(k_ready.index(sn), (rn // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_bufs.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(sp), ((rn - 1) // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sp), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j back, P_{j-1} V_{j-1} in flight
+            mbarrier.arrive(q_empty, count=1, pred=j == n_tiles - 1)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, j >= n_full,
+                                          CAUSAL, BN, EVEN_K)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(kv_empty.index(sp), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        rl = r + n_tiles - 1
+        sl = rl % STAGES
+        mbarrier.wait(v_ready.index(sl), (rl // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sl), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(sl), count=1)
+    else:
+        mbarrier.arrive(q_empty, count=1)  # nothing visible from this tile: Q unused
+    return acc, m_i, l_i, rows
+
+
+@gluon.jit
+def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE,
+                 stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, qk_scale,
+                 HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                 STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr):
+    HM: gl.constexpr = BM // 2
+    SUBS: gl.constexpr = 2 if CAUSAL else 1
+    o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_bufs.dtype
+    q_smem = q_bufs.index(HALF)
+    o_smem = o_bufs.index(HALF)
+    r = 0
+    tile = 0
+    for w in range(w_first, w_end, w_step):
+        for sub in range(SUBS):
+            valid, batch, head, kv_head, m0, n_tiles, n_full = _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q,
+                                                                         diag, BM, BN, GROUP, CAUSAL)
+            if valid:
+                acc, m_i, l_i, rows = _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready,
+                                                q_empty, k_ready, v_ready, kv_empty, seqlen_k, diag, qk_scale, HALF,
+                                                HEAD_DIM, BM, BN, STAGES, CAUSAL, EVEN_K)
+                r += n_tiles
+                tile += 1
+                # O = acc / l and lse = ln(sum exp) (rows with nothing visible: O = 0, lse = -inf).
+                l_o = gl.convert_layout(l_i, row_o)
+                out = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
+                # O leaves through shared memory and a TMA store (a tensor of pointers would spill):
+                # the descriptor is (batch, seq, head * dim), so rows past Sq are clipped, not
+                # written into the next batch.  The previous tile's store must have read o_smem.
+                tma.store_wait(0)
+                o_smem.store(out.to(dtype))
+                fence_async_shared()
+                _partition_barrier()
+                tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head * HEAD_DIM],
+                                                o_smem._reinterpret(dtype, [1, HM, HEAD_DIM], o_desc.layout))
+                lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+                gl.store(LSE + batch.to(gl.int64) * stride_lse_b + head * stride_lse_h + rows, lse,
+                         mask=rows < seqlen_q)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=GLUON_FWD_INTS)
+def flash_fwd_gluon_kernel(
+    Q, K, V,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+    batch, seqlen_q, seqlen_k, num_heads_q, diag, num_work, sm_scale,
+    OUT, LSE, DESC_SCRATCH,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr,
+):
+    # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
+    # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
+    # side (stride_qh == HEAD_DIM) and batches end to end (plan.gluon_forward).  DESC_SCRATCH:
+    # where jax-triton launches keep the descriptors (jax_api/_scratch.py).
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HM: gl.constexpr = BLOCK_M // 2
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HM, HEAD_DIM], dtype)
+    num_heads_kv = num_heads_q // GROUP_SIZE
+    q_desc = tma.make_tensor_descriptor(Q, [batch * seqlen_q, num_heads_q * HEAD_DIM], [stride_qs, 1],
+                                        [HM, HEAD_DIM], q_layout)
+    k_desc = tma.make_tensor_descriptor(K, [batch * seqlen_k, num_heads_kv * HEAD_DIM], [stride_ks, 1],
+                                        [BLOCK_N, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, [batch * seqlen_k, num_heads_kv * HEAD_DIM], [stride_vs, 1],
+                                        [BLOCK_N, HEAD_DIM], kv_layout)
+
+    o_desc = tma.make_tensor_descriptor(OUT, [batch, seqlen_q, num_heads_q * HEAD_DIM], [stride_ob, stride_os, 1],
+                                        [1, HM, HEAD_DIM], o_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
+    o_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per compute warpgroup
+    for j in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(j), count=1)
+        mbarrier.init(v_ready.index(j), count=1)
+        mbarrier.init(kv_empty.index(j), count=2)
+    fence_async_shared()
+
+    w_first = gl.program_id(0)
+    w_step = gl.num_programs(0)
+    qk_scale = sm_scale * 1.4426950408889634
+    gl.warp_specialize([
+        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE,
+                        stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
+                        seqlen_k, num_heads_q, diag, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE,
+                        CAUSAL, EVEN_K)),
+        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE,
+                        stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
+                        seqlen_k, num_heads_q, diag, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE,
+                        CAUSAL, EVEN_K)),
+        (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                     w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM, BLOCK_M, BLOCK_N,
+                     STAGES, GROUP_SIZE, CAUSAL)),
+    ], [4, 1], [240, 24])

@@ -1,0 +1,106 @@
+"""The Gluon forward (kernels/flash/forward_gluon.py, plan.gluon_forward).
+
+Gluon has no interpreter: on the CPU these tests check which problems the plan sends to it and
+that its variants compile for sm_90; the GPU tests check its numbers against the float64 reference
+through the public torch API, and that the plan took it.  (JAX runs the same launch through
+jax_api/_gluon.py: tests/parity compares the two frameworks bit for bit on causal problems.)
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualattn.kernels import compile_check  # noqa: E402
+from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from test_one_pass import check_gpu_case, gluon_problem, spy_kernels  # noqa: E402  (tests/torch is on sys.path)
+
+GLUON_FWD = "flash_fwd_gluon_kernel"
+
+
+@pytest.fixture(autouse=True)
+def default_switches(monkeypatch):
+    for name in (flash_plan.GLUON_FWD_ENV, flash_plan.PERSISTENT_ENV, "DUALATTN_WS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _plan(gluon=True, k_strides=None, num_sms=132, **kwargs):
+    shapes, options, strides, config = gluon_problem(strides=None if k_strides is None else {"key": k_strides},
+                                                     **kwargs)
+    return flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True, gluon=gluon,
+                                   num_sms=num_sms)
+
+
+def test_plan_takes_the_gluon_forward_for_causal():
+    launch = _plan(causal=True)
+    assert launch.kernel == GLUON_FWD and launch.then is None
+    scalars, const = dict(launch.scalars), launch.constexpr_dict
+    # 2 * 4 heads * 8 query tiles of 128, in pairs: 32 items, one program each (fewer than 132 SMs)
+    assert scalars["num_work"] == 32 and launch.grid == (32, 1, 1)
+    assert (const["CAUSAL"], const["EVEN_K"], const["GROUP_SIZE"]) == (True, True, 1)
+    assert _plan(causal=True, num_sms=10).grid == (10, 1, 1)
+    gqa = _plan(causal=True, sq=1000, sk=1300, hq=8, hkv=2, d=64)
+    assert gqa.kernel == GLUON_FWD
+    assert dict(gqa.scalars)["diag"] == 300 and gqa.constexpr_dict["GROUP_SIZE"] == 4
+    assert not gqa.constexpr_dict["EVEN_K"]
+    assert [o.name for o in gqa.results] == ["out", "lse"]
+
+
+def test_plan_keeps_the_triton_forward(monkeypatch):
+    assert _plan().kernel == "flash_fwd_kernel"                      # non-causal: the Triton forward wins
+    for kwargs in (dict(gluon=False), dict(sinks=True), dict(sliding_window=(64, 0)), dict(bias=True), dict(d=96),
+                   dict(dtype="float32"), dict(logits_soft_cap=5.0), dict(dropout_prob=0.1),
+                   dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
+        assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
+    monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "0")
+    assert _plan(causal=True).kernel == "flash_fwd_kernel"
+    monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "1")
+    forced = _plan()
+    assert forced.kernel == GLUON_FWD and dict(forced.scalars)["num_work"] == 64   # a query tile per item
+
+
+@pytest.mark.parametrize("d, causal, hq, hkv, dtype, sk", [
+    (128, True, 4, 4, "bfloat16", 1024), (128, False, 8, 2, "bfloat16", 1024), (64, True, 8, 2, "float16", 1024),
+    (64, False, 4, 4, "bfloat16", 1000), (128, True, 4, 2, "bfloat16", 1000)])
+def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk):
+    """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store."""
+    monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "1")
+    launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk)
+    assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
+    compiled = compile_check.compile_launch(launch, dict.fromkeys(("query", "key", "value"), dtype), arch=90)
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.num_warps == 12
+    assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
+    assert "cp.async.bulk.tensor.3d.global.shared" in ptx   # O through a rank-3 descriptor (clipped at Sq)
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+# ---- GPU: numbers against the float64 reference, through the public API ----
+
+GPU_CASES = {
+    "d128-causal": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True)),
+    "d64-causal-gqa": dict(b=1, sq=2048, sk=2048, hq=8, hkv=2, d=64, opts=dict(causal=True)),
+    # lengths that are not tile multiples: rows past Sq are clipped, keys past Sk masked
+    "d128-ragged": dict(b=2, sq=1000, sk=1100, hq=4, hkv=2, d=128, opts={}, force="1"),
+    "d64-ragged-causal": dict(b=1, sq=1000, sk=1000, hq=2, hkv=2, d=64, opts=dict(causal=True)),
+    # bottom-right causal: more queries than keys (rows 0-299 see nothing: O = 0, lse = -inf) and fewer
+    "d128-causal-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=128, opts=dict(causal=True)),
+    "d64-causal-more-keys": dict(b=1, sq=512, sk=1300, hq=2, hkv=2, d=64, opts=dict(causal=True)),
+    # few programs, several items each (barrier phases carried over; causal pairs, an odd tile count)
+    "d128-causal-3-programs": dict(b=1, sq=896, sk=896, hq=2, hkv=2, d=128, opts=dict(causal=True), num_sms="3"),
+    "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7", force="1"),
+    "d128-fp16-scale": dict(b=1, sq=768, sk=2048, hq=2, hkv=2, d=128, opts=dict(causal=True, softmax_scale=0.05),
+                            dtype=torch.float16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu_gluon_forward(case, monkeypatch, seed):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    kernels = spy_kernels(monkeypatch, "plan_forward")
+    check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"force": flash_plan.GLUON_FWD_ENV})
+    assert kernels == [GLUON_FWD], kernels
