@@ -554,10 +554,16 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     if not _warp_specializable(shapes, sparse, constexprs):
         return False
-    rows = {"query": shapes.seqlen_q, "key": shapes.seqlen_k, "value": shapes.seqlen_k}
-    return strides["out"][2] == shapes.head_dim and all(
-        strides[n][2] == shapes.head_dim and (shapes.batch == 1 or strides[n][0] == r * strides[n][1])
-        for n, r in rows.items())
+    return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
+
+
+def whole_array_rows(shapes: FlashShapes, strides, names) -> bool:
+    """Whether each of `names` (query, key, value, out) reads as one (batch * seq, heads * head dim)
+    matrix, as the Gluon kernels' whole-array descriptors take it: heads side by side (head stride ==
+    head dim) and batches end to end (batch stride == seq * seq stride)."""
+    rows = {"query": shapes.seqlen_q, "key": shapes.seqlen_k, "value": shapes.seqlen_k, "out": shapes.seqlen_q}
+    return all(strides[n][2] == shapes.head_dim and (shapes.batch == 1 or strides[n][0] == rows[n] * strides[n][1])
+               for n in names)
 
 
 def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
@@ -840,9 +846,7 @@ def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, til
         return False
     if flag != "1" and (options.window_right == 0 or shapes.seqlen_k > PERSISTENT_BWD_MAX_KEYS):
         return False
-    rows = {"query": shapes.seqlen_q, "key": shapes.seqlen_k, "value": shapes.seqlen_k, "out": shapes.seqlen_q}
-    return all(strides[n][2] == shapes.head_dim and (shapes.batch == 1 or strides[n][0] == r * strides[n][1])
-               for n, r in rows.items())
+    return whole_array_rows(shapes, strides, ("query", "key", "value", "out"))
 
 
 def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict, strides, q_shape, k_shape, v_shape,
