@@ -33,7 +33,7 @@ def _plan(gluon=True, k_strides=None, num_sms=132, **kwargs):
                                    num_sms=num_sms)
 
 
-def test_plan_takes_the_gluon_forward_for_causal():
+def test_plan_takes_the_gluon_forward():
     launch = _plan(causal=True)
     assert launch.kernel == GLUON_FWD and launch.then is None
     scalars, const = dict(launch.scalars), launch.constexpr_dict
@@ -46,19 +46,18 @@ def test_plan_takes_the_gluon_forward_for_causal():
     assert dict(gqa.scalars)["diag"] == 300 and gqa.constexpr_dict["GROUP_SIZE"] == 4
     assert not gqa.constexpr_dict["EVEN_K"]
     assert [o.name for o in gqa.results] == ["out", "lse"]
-
+    full = _plan()
+    assert full.kernel == GLUON_FWD and not full.constexpr_dict["CAUSAL"]
+    assert dict(full.scalars)["num_work"] == 64   # non-causal: a query tile per item
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
-    assert _plan().kernel == "flash_fwd_kernel"                      # non-causal: the Triton forward wins
     for kwargs in (dict(gluon=False), dict(sinks=True), dict(sliding_window=(64, 0)), dict(bias=True), dict(d=96),
                    dict(dtype="float32"), dict(logits_soft_cap=5.0), dict(dropout_prob=0.1),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
     monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "0")
     assert _plan(causal=True).kernel == "flash_fwd_kernel"
-    monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "1")
-    forced = _plan()
-    assert forced.kernel == GLUON_FWD and dict(forced.scalars)["num_work"] == 64   # a query tile per item
+    assert _plan().kernel == "flash_fwd_kernel"
 
 
 @pytest.mark.parametrize("d, causal, hq, hkv, dtype, sk", [
@@ -66,7 +65,6 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
     (64, False, 4, 4, "bfloat16", 1000), (128, True, 4, 2, "bfloat16", 1000)])
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk):
     """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store."""
-    monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "1")
     launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk)
     assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
     compiled = compile_check.compile_launch(launch, dict.fromkeys(("query", "key", "value"), dtype), arch=90)
@@ -83,14 +81,14 @@ GPU_CASES = {
     "d128-causal": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True)),
     "d64-causal-gqa": dict(b=1, sq=2048, sk=2048, hq=8, hkv=2, d=64, opts=dict(causal=True)),
     # lengths that are not tile multiples: rows past Sq are clipped, keys past Sk masked
-    "d128-ragged": dict(b=2, sq=1000, sk=1100, hq=4, hkv=2, d=128, opts={}, force="1"),
+    "d128-ragged": dict(b=2, sq=1000, sk=1100, hq=4, hkv=2, d=128, opts={}),
     "d64-ragged-causal": dict(b=1, sq=1000, sk=1000, hq=2, hkv=2, d=64, opts=dict(causal=True)),
     # bottom-right causal: more queries than keys (rows 0-299 see nothing: O = 0, lse = -inf) and fewer
     "d128-causal-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=128, opts=dict(causal=True)),
     "d64-causal-more-keys": dict(b=1, sq=512, sk=1300, hq=2, hkv=2, d=64, opts=dict(causal=True)),
     # few programs, several items each (barrier phases carried over; causal pairs, an odd tile count)
     "d128-causal-3-programs": dict(b=1, sq=896, sk=896, hq=2, hkv=2, d=128, opts=dict(causal=True), num_sms="3"),
-    "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7", force="1"),
+    "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7"),
     "d128-fp16-scale": dict(b=1, sq=768, sk=2048, hq=2, hkv=2, d=128, opts=dict(causal=True, softmax_scale=0.05),
                             dtype=torch.float16),
 }
@@ -102,5 +100,5 @@ def test_gpu_gluon_forward(case, monkeypatch, seed):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     kernels = spy_kernels(monkeypatch, "plan_forward")
-    check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"force": flash_plan.GLUON_FWD_ENV})
+    check_gpu_case(monkeypatch, GPU_CASES[case], seed, {})
     assert kernels == [GLUON_FWD], kernels

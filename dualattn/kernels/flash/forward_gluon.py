@@ -4,12 +4,16 @@ The Triton forward (forward.py) leaves the schedule to the compiler's warp speci
 the partitions are written out, as in FA3:
 
   * load warp (1 warp): TMA-loads the program's query tile (two 64-row halves) and streams K and V
-    tiles through a STAGES-deep ring (separate ready barriers: S = Q K^T starts before V lands).
+    tiles through a STAGES-deep ring (separate ready barriers: S = Q K^T starts before V lands;
+    separate empty barriers: K_j is given back once S_j is computed, so K_{j+STAGES} arrives
+    during the softmax rather than after P_j V_j, which left every S GEMM waiting on a load).
   * two compute warpgroups (the default partition and a worker, 4 warps and 240 registers each),
     each owning one 64-row half of the query tile: independent instruction streams, so one's
     softmax (exp2 on the SFU) overlaps the other's wgmma.  Within a warpgroup the loop is software
     pipelined: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued together, and the softmax of
-    S_{j+1} runs as soon as S_{j+1} is back, with O += P_j V_j still on the tensor cores.
+    S_{j+1} runs as soon as S_{j+1} is back, with O += P_j V_j still on the tensor cores.  No
+    ping-pong barriers between the warpgroups (FA3 has them): ordering their GEMM issues by
+    mbarrier turns was 1-10% slower (NOTES step 31).
 
 Persistent: one program per SM takes work items w = pid, pid + programs, ... (_fwd_item: one query
 tile, or causal, a long and a short one) through descriptors over the whole arrays, built once
@@ -65,9 +69,9 @@ def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, BM: gl.constexpr, B
 
 
 @gluon.jit
-def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, w_first,
-              w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     r = 0     # key tiles so far, counted alike in every partition
@@ -86,10 +90,11 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
                 tma.async_copy_global_to_shared(q_desc, [q_row + HM, head * HEAD_DIM], q_ready, q_bufs.index(1))
                 for j in range(n_tiles):
                     s = r % STAGES
-                    mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+                    mbarrier.wait(k_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, kv_head * HEAD_DIM], k_ready.index(s),
                                                     k_bufs.index(s))
+                    mbarrier.wait(v_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(v_desc, [k_row + j * BN, kv_head * HEAD_DIM], v_ready.index(s),
                                                     v_bufs.index(s))
@@ -123,8 +128,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, masked, CAUSAL: gl
 
 
 @gluon.jit
-def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              seqlen_k, diag, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+              v_empty, seqlen_k, diag, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr):
     """One warpgroup's half of one query tile: (O unnormalised, row max, row sum, its rows)."""
     HM: gl.constexpr = BM // 2
@@ -146,6 +151,7 @@ def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_e
         mbarrier.wait(k_ready.index(st), (r // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.arrive(q_empty, count=1, pred=n_tiles == 1)  # the last S GEMM has read Q
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, rows, seqlen_k, diag, n_full == 0, CAUSAL, BN,
                                        EVEN_K)
@@ -155,30 +161,34 @@ def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_e
             sp = (rn - 1) % STAGES
             mbarrier.wait(k_ready.index(sn), (rn // STAGES) & 1)
             s = warpgroup_mma(q_smem, k_bufs.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # O_{j-1} = alpha O_{j-2} + P_{j-1} V_{j-1}: the rescale runs while S_j is on the tensor cores
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(sp), ((rn - 1) // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sp), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j back, P_{j-1} V_{j-1} in flight
+            # K_j is read: the load warp may fetch K_{j+STAGES} during this softmax, not after P V.
+            mbarrier.arrive(k_empty.index(sn), count=1)
             mbarrier.arrive(q_empty, count=1, pred=j == n_tiles - 1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, j >= n_full,
                                           CAUSAL, BN, EVEN_K)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(sp), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + n_tiles - 1
         sl = rl % STAGES
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(sl), (rl // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sl), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(sl), count=1)
+        mbarrier.arrive(v_empty.index(sl), count=1)
     else:
         mbarrier.arrive(q_empty, count=1)  # nothing visible from this tile: Q unused
     return acc, m_i, l_i, rows
 
 
 @gluon.jit
-def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE,
-                 stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, qk_scale,
-                 HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 o_desc, LSE, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag,
+                 qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                  STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
@@ -195,8 +205,8 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                                          diag, BM, BN, GROUP, CAUSAL)
             if valid:
                 acc, m_i, l_i, rows = _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready,
-                                                q_empty, k_ready, v_ready, kv_empty, seqlen_k, diag, qk_scale, HALF,
-                                                HEAD_DIM, BM, BN, STAGES, CAUSAL, EVEN_K)
+                                                q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_k, diag, qk_scale,
+                                                HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL, EVEN_K)
                 r += n_tiles
                 tile += 1
                 # O = acc / l and lse = ln(sum exp) (rows with nothing visible: O = 0, lse = -inf).
@@ -254,28 +264,30 @@ def flash_fwd_gluon_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # one arrival per compute warpgroup
     for j in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(j), count=1)
         mbarrier.init(v_ready.index(j), count=1)
-        mbarrier.init(kv_empty.index(j), count=2)
+        mbarrier.init(k_empty.index(j), count=2)  # one arrival per compute warpgroup
+        mbarrier.init(v_empty.index(j), count=2)
     fence_async_shared()
 
     w_first = gl.program_id(0)
     w_step = gl.num_programs(0)
     qk_scale = sm_scale * 1.4426950408889634
     gl.warp_specialize([
-        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE,
-                        stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
+        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        o_desc, LSE, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE,
                         CAUSAL, EVEN_K)),
-        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE,
-                        stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
+        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        o_desc, LSE, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE,
                         CAUSAL, EVEN_K)),
-        (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     STAGES, GROUP_SIZE, CAUSAL)),
+        (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, STAGES, GROUP_SIZE, CAUSAL)),
     ], [4, 1], [240, 24])

@@ -530,8 +530,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
 
 # The Gluon forward (forward_gluon.py): (BLOCK_M, BLOCK_N, STAGES); two 64-row compute warpgroups,
 # 4 warps each.  Against the Triton forward (benchmarks/experiments/gluon_fwd_bench.py, kernel time,
-# 16k tokens, NOTES step 30): causal +11-19% at S >= 2048 for D=64 and D=128 (0.95-1.00x cuDNN);
-# non-causal -3 to +14%, so the Triton forward keeps it.
+# 16k tokens, S = 1024-16384, NOTES step 31): D=128 non-causal +9-15%, causal +26-38%; D=64
+# non-causal +2-4%, causal +6-17%.  (STAGES = 3 at D=64 gained nothing.)
 GLUON_FWD_TILE = (128, 128, 2)
 GLUON_FWD_WARPS = 4
 GLUON_FWD_ENV = "DUALATTN_GLUON_FWD"
@@ -544,13 +544,10 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
     for K and V), no sinks and no window other than causal; descriptors over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
-    by side.  Where it pays: causal.  flag: DUALATTN_GLUON_FWD, "0" / "1" turn it off / on
-    (non-causal too; A/B runs, tests)."""
+    by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
     if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
         return False
     if options.window_left is not None or options.window_right not in (None, 0) or shapes.num_sinks:
-        return False
-    if flag != "1" and options.window_right != 0:
         return False
     if not _warp_specializable(shapes, sparse, constexprs):
         return False
