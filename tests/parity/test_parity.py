@@ -226,8 +226,8 @@ def _gpu_both(tensors, causal):
 
 
 def _default_plans(shapes_bshd, causal, num_sms):
-    """(forward, dQ) launches the default plans give on sm_90 with num_sms SMs (both launchers ask
-    the same), built as the offline compile tests build them."""
+    """(forward, dQ) launches the Triton plans give on sm_90 with num_sms SMs (both launchers ask
+    the same; the Gluon kernels off), built as the offline compile tests build them."""
     import test_compile   # tests/ is on sys.path (its conftest)
     b, s, h, d = shapes_bshd
     fwd, bwd, _ = test_compile.Variant("default", batch=b, sq=s, sk=s, hq=h, hkv=h, d=d, causal=causal,
@@ -236,17 +236,19 @@ def _default_plans(shapes_bshd, causal, num_sms):
 
 
 # (B, S, H, D, causal, (forward warp-specialised, split band, dQ warp-specialised, forward persistent)
-# by default on an H100 (132 SMs); the causal S=2048 forward runs its band in the persistent loop)
+# on an H100 (132 SMs) with the Gluon kernels off; the causal S=2048 forward runs its band in the
+# persistent loop)
 GPU_CASES = [(2, 4096, 8, 128, False, (True, False, True, True)), (2, 4096, 8, 64, False, (True, False, False, True)),
              (2, 2048, 8, 128, True, (True, False, True, True)), (1, 8192, 4, 128, True, (True, True, True, False))]
 
 
-# The backward each GPU parity case runs: the portable kernels (DUALATTN_WS=0), or on sm_90 the
-# warp-specialised two-pass kernels or the one-pass Gluon kernel (forced either way: the default
-# picks by length, plan.ONE_PASS_MIN_KEYS).
-BACKWARDS = {"portable": {"DUALATTN_WS": "0", "DUALATTN_ONE_PASS": None},
-             "two-pass": {"DUALATTN_WS": None, "DUALATTN_ONE_PASS": "0"},
-             "one-pass": {"DUALATTN_WS": None, "DUALATTN_ONE_PASS": "1"}}
+# The kernels each GPU parity case runs: the portable ones (DUALATTN_WS=0); or on sm_90 the Triton
+# warp-specialised forward (the Gluon forward off) with the two-pass warp-specialised backward; or
+# the Gluon forward (the default) with the one-pass Gluon backward (forced: the default picks the
+# backward by length, plan.ONE_PASS_MIN_KEYS).
+BACKWARDS = {"portable": {"DUALATTN_WS": "0", "DUALATTN_ONE_PASS": None, "DUALATTN_GLUON_FWD": None},
+             "two-pass": {"DUALATTN_WS": None, "DUALATTN_ONE_PASS": "0", "DUALATTN_GLUON_FWD": "0"},
+             "one-pass": {"DUALATTN_WS": None, "DUALATTN_ONE_PASS": "1", "DUALATTN_GLUON_FWD": None}}
 
 
 @pytest.mark.gpu
@@ -254,11 +256,11 @@ BACKWARDS = {"portable": {"DUALATTN_WS": "0", "DUALATTN_ONE_PASS": None},
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"b{c[0]}-s{c[1]}-h{c[2]}-d{c[3]}-causal{int(c[4])}")
 def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
     """The very same bits in both frameworks, on torch tensors handed to jax through DLPack: with
-    the portable kernels and with the default flags, where on sm_90 both take the warp-specialised
-    kernels (JAX's descriptors in DESC_SCRATCH, jax_api/_scratch.py), the split causal band (JAX
-    resumes the edges launch from fresh buffers, torch in place) and, with either backward, the
-    same backward kernels: the one-pass Gluon kernel reaches JAX through jax_api/_gluon.py (its dQ
-    is the one result that is not bitwise reproducible, below)."""
+    the portable kernels; on sm_90 with the Triton warp-specialised kernels (JAX's descriptors in
+    DESC_SCRATCH, jax_api/_scratch.py), the split causal band among them (JAX resumes the edges
+    launch from fresh buffers, torch in place); and with the Gluon kernels, which reach JAX
+    through jax_api/_gluon.py (the one-pass dQ is the one result that is not bitwise
+    reproducible, below)."""
     for name, value in BACKWARDS[backward].items():
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -266,13 +268,14 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
             monkeypatch.setenv(name, value)
     one_pass = backward == "one-pass" and torch.cuda.get_device_capability() == (9, 0)
     b, s, h, d, causal, expected = case
-    if backward != "portable" and torch.cuda.get_device_capability()[0] == 9:
+    if backward == "two-pass" and torch.cuda.get_device_capability()[0] == 9:
         fwd, dq = _default_plans((b, s, h, d), causal, torch.cuda.get_device_properties(0).multi_processor_count)
         got = (fwd.constexpr_dict["WARP_SPECIALIZE"], fwd.then is not None, dq.constexpr_dict["WARP_SPECIALIZE"],
                fwd.constexpr_dict["PERSISTENT"])
         assert got == expected
     from test_one_pass import spy_kernels   # tests/torch is on sys.path (rootdir conftest)
     backward_kernels = spy_kernels(monkeypatch)
+    forward_kernels = spy_kernels(monkeypatch, "plan_forward")
     t, j = _gpu_both(_gpu_inputs(0, b, s, h, d), causal)
     for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):
         same = a.view(torch.int16) == ref.view(torch.int16)
@@ -286,3 +289,4 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
         assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
     # torch's and JAX's backward plans (JAX may plan twice: trace and lowering) chose alike
     assert len(backward_kernels) >= 2 and all((k == "flash_bwd_one_pass_kernel") == one_pass for k in backward_kernels)
+    assert len(forward_kernels) >= 2 and all((k == "flash_fwd_gluon_kernel") == one_pass for k in forward_kernels)

@@ -3,7 +3,7 @@
 Gluon has no interpreter: on the CPU these tests check which problems the plan sends to it and
 that its variants compile for sm_90; the GPU tests check its numbers against the float64 reference
 through the public torch API, and that the plan took it.  (JAX runs the same launch through
-jax_api/_gluon.py: tests/parity compares the two frameworks bit for bit on causal problems.)
+jax_api/_gluon.py: tests/parity compares the two frameworks bit for bit.)
 """
 from __future__ import annotations
 
