@@ -273,7 +273,7 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
         got = (fwd.constexpr_dict["WARP_SPECIALIZE"], fwd.then is not None, dq.constexpr_dict["WARP_SPECIALIZE"],
                fwd.constexpr_dict["PERSISTENT"])
         assert got == expected
-    from test_one_pass import spy_kernels   # tests/torch is on sys.path (rootdir conftest)
+    from plan_spy import spy_kernels
     backward_kernels = spy_kernels(monkeypatch)
     forward_kernels = spy_kernels(monkeypatch, "plan_forward")
     t, j = _gpu_both(_gpu_inputs(0, b, s, h, d), causal)

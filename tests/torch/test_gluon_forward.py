@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
-from test_one_pass import check_gpu_case, gluon_problem, spy_kernels  # noqa: E402  (tests/torch is on sys.path)
+from plan_spy import spy_kernels  # noqa: E402
+from test_one_pass import check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
 
 GLUON_FWD = "flash_fwd_gluon_kernel"
 

@@ -18,6 +18,7 @@ from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.validation import FlashShapes  # noqa: E402
+from plan_spy import spy_kernels  # noqa: E402
 
 ONE_PASS = "flash_bwd_one_pass_kernel"
 
@@ -39,20 +40,6 @@ def gluon_problem(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", s
     contiguous = {n: row_major_strides((b, s, h, d)) for n, s, h in
                   (("query", sq, hq), ("key", sk, hkv), ("value", sk, hkv), ("out", sq, hq))}
     return shapes, options, {**contiguous, **(strides or {})}, flash_plan.default_config(shapes, interpret=False)
-
-
-def spy_kernels(monkeypatch, plan_name="plan_backward") -> list:
-    """The kernel names of every launch flash_plan.<plan_name> gives from then on (the backward's
-    dK/dV launch, or the forward launch)."""
-    kernels, real = [], getattr(flash_plan, plan_name)
-
-    def spy(*args, **kwargs):
-        planned = real(*args, **kwargs)
-        kernels.append(planned.dkdv.kernel if plan_name == "plan_backward" else planned.kernel)
-        return planned
-
-    monkeypatch.setattr(flash_plan, plan_name, spy)
-    return kernels
 
 
 def _plan(gluon=True, q_strides=None, num_sms=132, **kwargs):
@@ -101,32 +88,46 @@ def test_one_pass_off_with_env(monkeypatch):
 
 
 def test_one_pass_speed_rules(monkeypatch):
-    """By default: from ONE_PASS_MIN_KEYS keys (non-causal 4096, causal 8192) to ONE_PASS_MAX_KEYS
-    (32768: its fp32 dQ accumulator costs memory), persistent up to
-    PERSISTENT_BWD_MAX_KEYS keys and never causal (DUALATTN_PERSISTENT=1 forces it)."""
+    """By default: from ONE_PASS_MIN_KEYS keys (4096) to ONE_PASS_MAX_KEYS (32768: its fp32 dQ
+    accumulator costs memory); non-causal persistent up to PERSISTENT_BWD_MAX_KEYS keys, causal
+    persistent over pairs of key tiles wherever the key tiles pair up (DUALATTN_PERSISTENT=0 / 1
+    turns it off / on)."""
     monkeypatch.delenv(flash_plan.ONE_PASS_ENV)
 
-    def layout(s, causal=False):
-        plan = _plan(b=1, sq=s, sk=s, causal=causal)
+    def layout(s, causal=False, sq=None):
+        plan = _plan(b=1, sq=sq or s, sk=s, causal=causal)
         return plan.dkdv.kernel == ONE_PASS and (plan.dkdv.constexpr_dict["PERSISTENT"] and "persistent" or "grid")
 
     assert [layout(s) for s in (2048, 4096, 8192, 32768, 65536)] == [False, "persistent", "grid", "grid", False]
-    assert [layout(s, causal=True) for s in (4096, 8192)] == [False, "grid"]
+    assert [layout(s, causal=True) for s in (2048, 4096, 8192, 32768, 65536)] == [
+        False, "persistent", "persistent", "persistent", False]
+    assert layout(33 * 128, causal=True) == "grid"   # 33 key tiles: one would be left without a pair
+    assert layout(8192, causal=True, sq=4000) == "grid"   # a query tile would reach into the next batch
     monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "1")
-    assert layout(8192, causal=True) == "persistent"
+    assert layout(8192) == "persistent"
     monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
-    assert layout(4096) == "grid"
+    assert [layout(4096), layout(8192, causal=True)] == ["grid", "grid"]
+
+
+def test_causal_persistent_work_items_are_pairs_of_key_tiles():
+    """Causal and persistent, a work item is two key tiles of one head (backward_gluon._work_item):
+    half as many items as key tiles, so that every item holds the same work."""
+    plan = _plan(b=2, sq=4096, sk=4096, hq=8, hkv=2, causal=True)
+    key_tiles = 4096 // flash_plan.ONE_PASS_TILES[128][1] * 2 * 2
+    assert plan.dkdv.constexpr_dict["PERSISTENT"]
+    assert dict(plan.dkdv.scalars)["num_work"] == key_tiles // 2
+    assert plan.dkdv.grid == (min(132, key_tiles // 2), 1, 1)
 
 
 @pytest.mark.parametrize("d, causal, hq, hkv, dtype, sq", [
     (128, False, 4, 4, "bfloat16", 1024), (128, True, 8, 2, "bfloat16", 1024), (64, False, 8, 2, "float16", 1024),
     (64, True, 4, 4, "bfloat16", 1024), (128, True, 4, 2, "bfloat16", 1000), (64, False, 4, 4, "bfloat16", 1000)])
 def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq):
-    """The Gluon kernel (persistent; per work item where causal or Sq = 1000) and the dQ cast compile for
+    """The Gluon kernel (persistent; per work item where Sq = 1000) and the dQ cast compile for
     sm_90 (GluonASTSource); the two worker warps take one more warpgroup next to the 8 compute warps
     and 24 registers, the compute warpgroups 240 (FA3's split)."""
     plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sq=sq, sk=sq)
-    assert plan.dkdv.constexpr_dict["PERSISTENT"] == (sq == 1024 and not causal)
+    assert plan.dkdv.constexpr_dict["PERSISTENT"] == (sq == 1024)
     dtypes = dict.fromkeys(("query", "key", "value", "dout"), dtype)
     dtypes.update(lse="float32", delta="float32")
     compiled = compile_check.compile_launch(plan.dkdv, dtypes, arch=90)
@@ -156,6 +157,8 @@ GPU_CASES = {
     # bottom-right causal: more keys than queries, and more queries than keys (rows 0-299 see nothing)
     "d128-causal-more-keys": dict(b=1, sq=512, sk=1300, hq=2, hkv=2, d=128, opts=dict(causal=True)),
     "d64-causal-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=64, opts=dict(causal=True)),
+    # causal persistent items are pairs of key tiles: here with the diagonal shifted (Sk > Sq)
+    "d64-causal-pairs-more-keys": dict(b=2, sq=768, sk=1024, hq=4, hkv=2, d=64, opts=dict(causal=True)),
     # persistent with few programs: each takes several work items (barrier phases carried over)
     "d128-causal-gqa-7-programs": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=128, opts=dict(causal=True), sinks=True,
                                        num_sms="7", persistent="1"),

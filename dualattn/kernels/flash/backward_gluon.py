@@ -15,7 +15,11 @@ recomputing P in a second kernel.  Triton's automatic warp specialisation cannot
         P^T  = exp2(S^T * scale*log2e - lse_i*log2e)          (diagonal tiles masked)
         dS^T = P^T (dP^T - delta_i)
         dV  += P^T dO_i,  dQ_i = dS K,  dK += dS^T Q_i       (dK retires with the next tile's S)
-    dK (times the scale) and dV are stored once at the end.
+    dK (times the scale) and dV are stored once at the end.  dQ_i needs both warpgroups' halves of
+    dS^T, so they meet (a partition barrier) once dS^T is in shared memory.  DS_BUFS = 1: they meet
+    again after the dQ_i store, which frees dS^T's buffer; DS_BUFS = 2: dS^T alternates between two
+    buffers and dQ_i goes to the dQ warp at the next tile's meeting (faster at D=64, slower at D=128:
+    plan.ONE_PASS_TILES).
 
 One program owns key tile `pid_n` of one KV head of one batch and loops over the query heads of its
 GQA group (whose columns are adjacent: stride_qh == head dim) and their query tiles.  Rows past the
@@ -79,16 +83,35 @@ def _query_tiles(n0, seqlen_q, diag, BM: gl.constexpr, BN: gl.constexpr, CAUSAL:
 
 
 @gluon.jit
-def _work_item(w, seqlen_q, seqlen_k, num_heads_kv, diag, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr,
-               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Work item w = (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a
-    row): its batch, KV head, first key, the descriptor coordinates of its first query row and key
-    row, of its query-head group's first column and its KV head's, of its first lse row, and its
-    query tiles (_query_tiles).  PERSISTENT: descriptors over whole arrays, (batch, head) in the
-    coordinates; else over this item's (batch, head group) alone."""
+def _item_count(w_first, w_end, w_step, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """How many key tiles this program visits: two per work item where they are paired (_work_item)."""
+    return gl.cdiv(w_end - w_first, w_step) * (2 if CAUSAL and PERSISTENT else 1)
+
+
+@gluon.jit
+def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM: gl.constexpr, BN: gl.constexpr,
+               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The i-th key tile this program visits.  Work items w = w_first, w_first + w_step, ... are
+    (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a row), except
+    causal and persistent: there item w is a pair of key tiles of one head, p and n - 1 - p (the
+    plan makes the key tiles even), which see (n - p) + (p + 1) query-tile rows between them,
+    every item the same work, so programs dealt items round-robin stay in step (one head's Q, dO
+    and dQ shared in L2) and finish together.  Returns the tile's batch, KV head, first key, the
+    descriptor coordinates of its first query row and key row, of its query-head group's first
+    column and its KV head's, of its first lse row, and its query tiles (_query_tiles).
+    PERSISTENT: descriptors over whole arrays, (batch, head) in the coordinates; else over this
+    item's (batch, head group) alone."""
     n_key_tiles = gl.cdiv(seqlen_k, BN)
-    bh = w // n_key_tiles
-    n0 = (w % n_key_tiles) * BN
+    if CAUSAL and PERSISTENT:
+        w = w_first + (i // 2) * w_step
+        n_pairs = n_key_tiles // 2
+        bh = w // n_pairs
+        p = w % n_pairs
+        n0 = (p + (i % 2) * (n_key_tiles - 1 - 2 * p)) * BN   # the long tile first
+    else:
+        w = w_first + i * w_step
+        bh = w // n_key_tiles
+        n0 = (w % n_key_tiles) * BN
     batch = bh // num_heads_kv
     kv_head = bh % num_heads_kv
     i_start, n_local, n_mask = _query_tiles(n0, seqlen_q, diag, BM, BN, CAUSAL)
@@ -114,11 +137,10 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
                     BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     PERSISTENT: gl.constexpr):
     r = 0  # ring position: tiles so far, counted alike in every partition
-    item = 0
-    for w in range(w_first, w_end, w_step):
+    for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
         _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _ = _work_item(
-            w, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
-        mbarrier.wait(kv_empty, (item & 1) ^ 1)  # the previous item's K, V are read (fresh: passes)
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the previous key tile's K, V are read (fresh: passes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_ready, v_smem)
@@ -138,7 +160,6 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
                 tma.async_copy_global_to_shared(delta_desc, [lse_row + g, m0], do_ready.index(s),
                                                 delta_bufs.index(s))
                 r += 1
-        item += 1
 
 
 @gluon.jit
@@ -146,9 +167,9 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
                   diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DQ_BUFS: gl.constexpr,
                   GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
     r = 0
-    for w in range(w_first, w_end, w_step):
+    for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
         _, _, _, q_row, _, q_col, _, _, i_start, n_local, _ = _work_item(
-            w, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
         for g in range(GROUP):
             for j in range(n_local):
                 b = r % DQ_BUFS
@@ -161,10 +182,10 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
 
 
 @gluon.jit
-def _tile(r, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
+def _tile(r, r_first, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
           q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM: gl.constexpr,
           BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr,
-          MASK: gl.constexpr):
+          MASK: gl.constexpr, DS_BUFS: gl.constexpr):
     """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal."""
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
@@ -194,12 +215,16 @@ def _tile(r, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, de
     delta = delta_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-    ds_smem.store(dst16)
+    ds_buf = ds_smem.index(r % DS_BUFS)
+    ds_buf.store(dst16)
     fence_async_shared()
     _partition_barrier()  # both warpgroups' halves of dS^T are in shared memory before either reads it all
     # Both warpgroups are past their S wait, so the previous tile's dK GEMM (its Q's last reader) is done.
     mbarrier.arrive(qdo_empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    if DS_BUFS == 2:
+        # ... and past the previous tile's dQ store: hand that to the dQ warp.
+        mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
+    dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_buf, dk, is_async=True)
     dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))  # dK stays in flight
 
@@ -207,8 +232,9 @@ def _tile(r, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, de
     mbarrier.wait(dq_empty.index(b), ((r // DQ_BUFS) & 1) ^ 1)
     dq_bufs.index(b).store(dq * sm_scale)
     fence_async_shared()
-    _partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
-    mbarrier.arrive(dq_ready.index(b), count=1)
+    if DS_BUFS == 1:
+        _partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
+        mbarrier.arrive(dq_ready.index(b), count=1)
     return dk, dv
 
 
@@ -218,7 +244,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
                        diag, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -227,27 +253,31 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
     r = 0
-    item = 0
-    for w in range(w_first, w_end, w_step):
+    for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
         batch, kv_head, n0, _, _, _, _, _, i_start, n_local, n_mask = _work_item(
-            w, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
         dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
         dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
-        mbarrier.wait(kv_ready, item & 1)
+        r_first = r
+        mbarrier.wait(kv_ready, i & 1)
         for g in range(GROUP):
             if CAUSAL:
                 for j in range(n_mask):
-                    dk, dv = _tile(r, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs,
-                                   lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
-                                   dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
-                                   NUM_WARPS, True)
+                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs,
+                                   do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty,
+                                   dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN,
+                                   STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS)
                     r += 1
             for j in range(n_mask, n_local):
-                dk, dv = _tile(r, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                               delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty,
-                               qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
-                               False)
+                dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs,
+                               lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
+                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
+                               NUM_WARPS, False, DS_BUFS)
                 r += 1
+        if DS_BUFS == 2:
+            # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
+            _partition_barrier()
+            mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
         # Every read of K and V is done (the last tile's barrier): the load warp may refill them.
         mbarrier.arrive(kv_empty, count=1)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
@@ -258,7 +288,6 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=in_bounds)
         gl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + key_rows * stride_dvs + cols,
                  dv.to(DV.dtype.element_ty), mask=in_bounds)
-        item += 1
 
 
 @gluon.jit(do_not_specialize=ONE_PASS_INTS)
@@ -271,15 +300,16 @@ def flash_bwd_one_pass_kernel(
     DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
     # ran at 0.6x: nothing shared).  PERSISTENT: (programs,), each takes items w = pid, pid +
-    # programs, ... < num_work and builds its descriptors once, over whole arrays (plan: Sq, Sk
-    # tile multiples, (batch, seq) rows and heads side by side), where a program per item spent
-    # ~10 us building its seven (NOTES step 29).  DESC_SCRATCH: where jax-triton launches keep the
-    # descriptors (jax_api/_scratch.py); Triton's launcher brings its own scratch.
+    # programs, ... < num_work (causal: pairs of key tiles of equal total work) and builds its
+    # descriptors once, over whole arrays (plan: Sq, Sk tile multiples, (batch, seq) rows and heads
+    # side by side), where a program per item spent ~10 us building its seven (NOTES step 29).
+    # DESC_SCRATCH: where jax-triton launches keep the descriptors (jax_api/_scratch.py); Triton's
+    # launcher brings its own scratch.
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -337,7 +367,7 @@ def flash_bwd_one_pass_kernel(
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_layout)
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -364,7 +394,7 @@ def flash_bwd_one_pass_kernel(
                               kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
                               seqlen_q, seqlen_k, num_heads_kv, diag, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT)),
+                              STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
                            w_step, seqlen_q, seqlen_k, num_heads_kv, diag, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,

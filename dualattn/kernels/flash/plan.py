@@ -484,18 +484,23 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Opt
                                  and shapes.seqlen_k <= WS_BAND_MAX_KEYS)))
 
 
-# The one-pass backward (backward_gluon.py): (BLOCK_M, BLOCK_N, STAGES, DQ_BUFS) by head dim, the
-# probe's fastest (benchmarks/experiments/gluon_bwd_probe.py, NOTES step 28).  8 compute warps (two
-# wgmma warpgroups) plus its load and dQ warps.
-ONE_PASS_TILES = {64: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
+# The one-pass backward (backward_gluon.py): (BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, DS_BUFS) by head
+# dim.  Tiles and stages: the probe's fastest (benchmarks/experiments/gluon_bwd_probe.py, NOTES
+# step 28).  Backward time, 16k tokens (experiments/one_pass_variants.py, NOTES step 32): D=128
+# DQ_BUFS 2 (was 1) +2-3% non-causal, 0 causal; DS_BUFS 2 (the two warpgroups meet once per tile,
+# not twice) +1-5% at D=64 but 6-20% slower at D=128 (the dQ tile reaches its warp half a tile
+# later); BLOCK_M 128 at D=64 5-10% slower (spills).  8 compute warps (two wgmma warpgroups) plus
+# its load and dQ warps.
+ONE_PASS_TILES = {64: (64, 128, 3, 2, 2), 128: (64, 128, 2, 2, 1)}
 ONE_PASS_WARPS = 8
 ONE_PASS_ENV = "DUALATTN_ONE_PASS"
-# Least keys (Sk) from which the one-pass backward replaces the two-pass one, non-causal / causal.
+# Least keys (Sk) from which the one-pass backward replaces the two-pass one.
 # fwd+bwd against the two-pass kernels, 16k tokens (NOTES step 29): non-causal D=128 -16% at S=1024,
-# -3% at 2048, +1% at 4096, +7 / +10% at 8192 / 16384 (D=64 -12%, -4%, +1%, +4%, +8%); causal
-# D=128 +6% (one noisy cell), -15%, 0, +3%, +9% (D=64 -26%, -12%, -2%, +3%, +10%).  Short problems
-# lose the per-work-item set-up and the dQ accumulator's zero-fill and cast (~0.1 ms).
-ONE_PASS_MIN_KEYS = {False: 4096, True: 8192}
+# -3% at 2048, +1% at 4096, +7 / +10% at 8192 / 16384 (D=64 -12%, -4%, +1%, +4%, +8%).  Causal
+# runs persistent over pairs of key tiles since step 32; backward alone against the two-pass
+# kernels: D=128 -11% at S=2048, +3% at 4096; D=64 -1% at 2048, +4% at 4096.  Short problems lose
+# the dQ accumulator's zero-fill and cast (~0.1 ms per 16k tokens).
+ONE_PASS_MIN_KEYS = 4096
 # Most keys for it: its fp32 dQ accumulator raises fwd+bwd peak memory from 1.01x to 1.25x the
 # tensors a backward must hold (q, k, v, o, dO, dq, dk, dv, lse; `..._memory15.json`, B=1 H=16
 # D=128, S = 8192 ... 131072).  At the longest sequences memory binds, so there the two-pass kernels
@@ -504,8 +509,8 @@ ONE_PASS_MAX_KEYS = 32768
 
 
 def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides,
-                      constexprs, flag: Optional[str] = None) -> Optional[Tuple[int, int, int, int]]:
-    """The one-pass backward's (BLOCK_M, BLOCK_N, STAGES, DQ_BUFS) where a problem qualifies, else None.
+                      constexprs, flag: Optional[str] = None) -> Optional[Tuple[int, int, int, int, int]]:
+    """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the warp-specialised kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
     per-element option, no block-sparse list, no packed varlen), head dims of 64 or 128 (equal for
@@ -518,7 +523,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     tile = ONE_PASS_TILES.get(shapes.head_dim)
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
         return None
-    if flag != "1" and not ONE_PASS_MIN_KEYS[options.window_right == 0] <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
+    if flag != "1" and not ONE_PASS_MIN_KEYS <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
         return None
     if options.window_left is not None or options.window_right not in (None, 0) or not _warp_specializable(
             shapes, sparse, constexprs):
@@ -824,38 +829,44 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
 
 
-def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, tile: Tuple[int, int, int, int],
+def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, tile: Tuple[int, ...],
                         flag: Optional[str] = None) -> bool:
     """Whether the one-pass kernel runs persistent (a program per SM, work items dealt round-robin).
 
-    It pays where items are short: kernel time at 16k tokens, S=1024, non-causal (NOTES step 29):
+    Non-causal it pays where items are short: kernel time at 16k tokens, S=1024 (NOTES step 29):
     0.93 -> 0.85 ms at D=128, 1.27 -> 1.05 ms at D=64 (a program per item spent ~10 us building
-    its descriptors); so, as the two-pass kernels, up to PERSISTENT_BWD_MAX_KEYS keys.  Not causal:
-    items of unequal length dealt round-robin drift apart, the programs then stream different heads'
-    Q and dO and lose L2 (D=128 causal fwd+bwd at S=16384: 472 -> 333 TFLOP/s); the grid's
-    in-order dispatch keeps them together.  Needs descriptors over whole arrays as (batch * seq,
-    heads * head dim) matrices: Sq and Sk tile multiples (no tile reaches into the next batch), and
-    in query, key, value and out the heads side by side (head stride == head dim) and the batches
-    end to end (batch stride == seq * seq stride).  flag: DUALATTN_PERSISTENT, "0" / "1" turn it
-    off / on wherever the descriptors allow (A/B runs, tests)."""
+    its descriptors); so, as the two-pass kernels, up to PERSISTENT_BWD_MAX_KEYS keys.  Causal
+    items are pairs of key tiles, every pair the same work (backward_gluon._work_item), at every
+    length: backward time against a program per key tile (NOTES step 32) D=128 +6% at S=2048, +5%
+    at 4096, +1% at 16384; D=64 +17%, +13%, 0.  (Dealt round-robin one key tile each, unequal, the
+    programs drifted apart: step 29.)  So causal needs an even number of key tiles.  Needs
+    descriptors over whole arrays as (batch * seq, heads * head dim) matrices: Sq and Sk tile
+    multiples (no tile reaches into the next batch), and in query, key, value and out the heads
+    side by side (head stride == head dim) and the batches end to end (batch stride == seq * seq
+    stride).  flag: DUALATTN_PERSISTENT, "0" / "1" turn it off / on wherever the descriptors allow
+    (A/B runs, tests)."""
     block_m, block_n = tile[:2]
-    if flag == "0" or shapes.seqlen_q % block_m or shapes.seqlen_k % block_n:
+    causal = options.window_right == 0
+    # causal: items are pairs of key tiles (backward_gluon._work_item), so an even number of them
+    if flag == "0" or shapes.seqlen_q % block_m or shapes.seqlen_k % (2 * block_n if causal else block_n):
         return False
-    if flag != "1" and (options.window_right == 0 or shapes.seqlen_k > PERSISTENT_BWD_MAX_KEYS):
+    if flag != "1" and not causal and shapes.seqlen_k > PERSISTENT_BWD_MAX_KEYS:
         return False
     return whole_array_rows(shapes, strides, ("query", "key", "value", "out"))
 
 
 def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict, strides, q_shape, k_shape, v_shape,
-                       diag_shift: int, tile: Tuple[int, int, int, int], num_sms: int,
+                       diag_shift: int, tile: Tuple[int, ...], num_sms: int,
                        persistent_flag: Optional[str]) -> Tuple[Launch, Launch]:
     """The one-pass kernel (dK, dV and an fp32 dQ accumulator) and the launch casting dQ; persistent
     where one_pass_persistent."""
-    block_m, block_n, stages, dq_bufs = tile
+    block_m, block_n, stages, dq_bufs, ds_bufs = tile
     grid = (cdiv(shapes.seqlen_k, block_n), shapes.batch * shapes.heads_kv, 1)
     num_work = grid[0] * grid[1]
     persistent = num_sms > 0 and one_pass_persistent(shapes, options, strides, tile, persistent_flag)
     if persistent:
+        if options.window_right == 0:
+            num_work //= 2   # pairs of key tiles (backward_gluon._work_item)
         grid = (min(num_sms, num_work), 1, 1)
     grads = {name: _seq_strides(_contiguous(shape), False) for name, shape in
              (("dk", k_shape), ("dv", v_shape), ("dq", q_shape))}
@@ -873,7 +884,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
-                    ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent)),
+                    ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs)),
         num_warps=ONE_PASS_WARPS, num_stages=1)
     numel = 1
     for n in q_shape:

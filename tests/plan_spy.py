@@ -1,0 +1,17 @@
+"""Which kernels the launch plans chose: shared by tests in several folders (tests/ is on sys.path,
+tests/conftest.py), so that none depends on another folder's test module being imported first."""
+from dualattn.kernels.flash import plan as flash_plan
+
+
+def spy_kernels(monkeypatch, plan_name="plan_backward") -> list:
+    """The kernel names of every launch flash_plan.<plan_name> gives from then on (the backward's
+    dK/dV launch, or the forward launch)."""
+    kernels, real = [], getattr(flash_plan, plan_name)
+
+    def spy(*args, **kwargs):
+        planned = real(*args, **kwargs)
+        kernels.append(planned.dkdv.kernel if plan_name == "plan_backward" else planned.kernel)
+        return planned
+
+    monkeypatch.setattr(flash_plan, plan_name, spy)
+    return kernels
