@@ -94,9 +94,9 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM: g
     """The i-th key tile this program visits.  Work items w = w_first, w_first + w_step, ... are
     (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a row), except
     causal and persistent: there item w is a pair of key tiles of one head, p and n - 1 - p (the
-    plan makes the key tiles even), which see (n - p) + (p + 1) query-tile rows between them,
-    every item the same work, so programs dealt items round-robin stay in step (one head's Q, dO
-    and dQ shared in L2) and finish together.  Returns the tile's batch, KV head, first key, the
+    plan makes the key tiles even): causal, key tile p sees the queries from its diagonal on, so
+    the pair sees as many query tiles whatever p (2n + 2 of 64 rows, square and tile-aligned).
+    Every item is the same work, so programs dealt items round-robin finish together.  Returns the tile's batch, KV head, first key, the
     descriptor coordinates of its first query row and key row, of its query-head group's first
     column and its KV head's, of its first lse row, and its query tiles (_query_tiles).
     PERSISTENT: descriptors over whole arrays, (batch, head) in the coordinates; else over this
