@@ -275,7 +275,8 @@ class ConfigCache:
         self._stamp = None
         self._entries: Dict[str, dict] = {}
 
-    def _stat(self):
+    def stamp(self):
+        """The file's (mtime, size, inode), None when missing: changes with every write."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -299,7 +300,7 @@ class ConfigCache:
 
     def entries(self) -> Dict[str, dict]:
         """All entries on disk now (memoised while the file is unchanged)."""
-        stamp = self._stat()
+        stamp = self.stamp()
         with self._lock:
             if stamp != self._stamp:
                 self._entries = self._read() if stamp is not None else {}
@@ -316,7 +317,7 @@ class ConfigCache:
             entries = dict(self._read(warn=False))  # corrupt: already warned on read, now rebuilt
             entries[key] = record
             _write_atomic(self.path, {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries})
-            self._stamp, self._entries = self._stat(), entries
+            self._stamp, self._entries = self.stamp(), entries
 
 
 # ----------------------------------------------------------------------------- executor
@@ -339,6 +340,7 @@ class Executor:
         self._files: Dict[str, ConfigCache] = {}
         self._lock = threading.Lock()
         self._bad_entries = set()
+        self._generation = 0   # bumped by every change to _memory (state())
 
     def disk(self) -> ConfigCache:
         path = self._path or cache_path()
@@ -351,6 +353,19 @@ class Executor:
     def clear_memory(self) -> None:
         with self._lock:
             self._memory.clear()
+            self._generation += 1
+
+    def _remember(self, key: str, config) -> None:
+        with self._lock:
+            self._memory[key] = config
+            self._generation += 1
+
+    def state(self, algorithm: str) -> tuple:
+        """What `select` for `algorithm` depends on besides its arguments: a config pinned in this
+        thread, this executor's memory (a counter of its changes), the cache file's version (mtime,
+        size, inode; one stat) and whether autotuning is on.  Launchers that memoise selected
+        configs per call signature key them on it, so any change selects again."""
+        return current_override(algorithm), self._generation, self.disk().stamp(), _autotune_enabled(None)
 
     def _from_disk(self, entry: KernelEntry, key: str):
         disk = self.disk()
@@ -374,8 +389,7 @@ class Executor:
         if entry.decode(encoded) != config:
             raise ValueError(f"{config!r} does not survive encoding as {encoded!r}")
         key = _cache_key(entry, device_name, triton_version(), shapes, options)
-        with self._lock:
-            self._memory[key] = config
+        self._remember(key, config)
         created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.disk().store(key, {"config": encoded, "source": source, "created": created})
         return key
@@ -398,8 +412,7 @@ class Executor:
             return config, "memory"
         config = self._from_disk(entry, key)
         if config is not None:
-            with self._lock:
-                self._memory[key] = config
+            self._remember(key, config)
             return config, "disk"
         heuristics = heuristics or entry.heuristics
         if autotune_fn is not None and entry.candidates is not None and _autotune_enabled(autotune):
@@ -431,8 +444,7 @@ class Executor:
             warnings.warn(f"dualattn: autotune_fn returned {best!r}, not a {entry.algorithm} config; using the "
                           "heuristic config", RuntimeWarning, stacklevel=4)
             return None
-        with self._lock:
-            self._memory[key] = best
+        self._remember(key, best)
         try:
             self.save(entry.algorithm, shapes=shapes, options=options, config=best, source="autotune", **where)
         except Exception as e:  # persisting is best effort: the config still serves this process

@@ -39,6 +39,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test plans its launches afresh.  Launchers memoise planned calls per signature (the torch
+    front end's _CallPlan), so a test that spies on flash_plan.plan_forward / plan_backward would
+    otherwise see nothing for a signature an earlier test in the same worker already ran."""
+    from dualattn.kernels.flash import plan as flash_plan
+    flash_plan.forget_plans()
+    yield
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A per-test seed: different for every test id, reproducible from run to run.

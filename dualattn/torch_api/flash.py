@@ -55,17 +55,24 @@ _STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", 
                 "sparse_contiguous")
 
 
-def _sparse(a: dict, kv_count, kv_index, q_order, q_count, q_index, k_order, block_q: int, block_k: int,
-            contiguous: int):
-    """Add the block-sparse lists to the launch inputs and describe the layout (None: dense)."""
+def _sparse(kv_count, kv_index, q_order, q_count, q_index, k_order, block_q: int, block_k: int, contiguous: int):
+    """The block-sparse layout of a call (None: dense); its lists are launch inputs (_arrays)."""
     if kv_count is None:
         return None
-    a.update(zip(flash_plan.SPARSE_INPUTS, (kv_count, kv_index, q_order, q_count, q_index, k_order)))
     lb, lh, nq, nk = kv_index.shape
     return flash_plan.SparseInfo(lb, lh, nq, nk, block_q, block_k, contiguous & 1 != 0, contiguous & 2 != 0)
 
 
 _Resolved = collections.namedtuple("_Resolved", "shapes options config dropout_seed")
+
+
+def _arrays(named: dict) -> dict:
+    """The launch inputs of one op call: the tensors by kernel argument name (the dropout seed aside)."""
+    a = _inputs(*(named[n] for n in _TENSOR_ARGS[:10]))
+    if named[flash_plan.SPARSE_INPUTS[0]] is not None:
+        a.update((n, named[n]) for n in flash_plan.SPARSE_INPUTS)
+    a.update(q_positions=named["q_positions"], kv_positions=named["kv_positions"])
+    return a
 
 
 def _problem(named: dict, resolved: Optional[_Resolved] = None):
@@ -74,10 +81,9 @@ def _problem(named: dict, resolved: Optional[_Resolved] = None):
     `resolved`: what the forward resolved for this call (sizes, options, config, seed tensor), which
     eager backward passes back instead of validating and selecting again (host time, NOTES step 17).
     """
-    a = _inputs(*(named[n] for n in _TENSOR_ARGS[:10]))
-    sparse = _sparse(a, *(named[n] for n in flash_plan.SPARSE_INPUTS), named["sparse_block_q"],
+    a = _arrays(named)
+    sparse = _sparse(*(named[n] for n in flash_plan.SPARSE_INPUTS), named["sparse_block_q"],
                      named["sparse_block_k"], named["sparse_contiguous"])
-    a.update(q_positions=named["q_positions"], kv_positions=named["kv_positions"])
     if resolved is None:
         shapes = _shapes(a, named["max_seqlen_q"], named["max_seqlen_k"])
         options = _options(named["softmax_scale"], named["window_left"], named["window_right"],
@@ -190,21 +196,76 @@ def _flash_fwd_impl(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Te
               dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
               sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
-    out, lse, _ = _forward(dict(locals()))
+    out, lse, _, _ = _forward(dict(locals()))
     return out, lse
 
 
+class _CallPlan:
+    """What one call signature (_call_key) resolves to: sizes, options, config (the dropout seed
+    aside: it is per call), the block-sparse layout, the forward launch and, by what the backward
+    adds to the key, its backward plans.  Built on a signature's first call and reused: resolving
+    and planning again took ~2/3 of the forward's host time, and the GPU machine's host issued a
+    forward in ~150 us against a 158 us kernel (D=128 causal S=1024; NOTES step 33)."""
+
+    __slots__ = ("resolved", "sparse", "forward", "out_shape", "backwards")
+
+    def __init__(self, resolved: _Resolved, sparse, forward, out_shape):
+        self.resolved, self.sparse, self.forward, self.out_shape = resolved, sparse, forward, out_shape
+        self.backwards = {}
+
+
+# _call_key(named) -> _CallPlan.  Cleared with the plans' own memo (flash_plan.forget_plans).
+_CALL_PLANS: dict = {}
+_CALL_PLANS_MAX = 1024   # a workload of many shapes starts over rather than grow without bound
+flash_plan.on_forget_plans(_CALL_PLANS.clear)
+
+
+def _tensor_key(t: Optional[Tensor]):
+    # The 16-byte alignment of the base decides whether TMA descriptors may address it (_descriptors).
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+_KEYED_STATICS = tuple(n for n in _STATIC_ARGS if n != "dropout_seed")  # the seed is per call, not planned
+
+
+def _call_key(named: dict) -> Optional[tuple]:
+    """Everything a call's resolution and plans depend on besides tensor values: each tensor's
+    metadata, the static arguments but the dropout seed, the environment switches the plans read
+    and the executor's state (a pinned config, its memory, its cache file, autotuning on or off).
+    None while torch.compile traces (symbolic sizes).  Built on every call: ~16 us on a CPU core,
+    12 of them reading the environment and the executor's state, against ~35 us for resolving and
+    planning again (benchmarks/experiments/host_front_end_cpu.py)."""
+    if torch.compiler.is_compiling():
+        return None
+    return (tuple(map(_tensor_key, map(named.get, _TENSOR_ARGS))), tuple(map(named.get, _KEYED_STATICS)),
+            flash_plan.environment(), executor.default_executor().state("flash"))
+
+
 def _forward(named: dict):
-    """(out, lse, what was resolved for the call: eager backward reuses it)."""
-    a, sparse, r = _problem(named)
+    """(out, lse, what was resolved for the call, its _CallPlan or None): eager backward reuses both."""
+    key = _call_key(named)
+    call = _CALL_PLANS.get(key) if key is not None else None
     query = named["query"]
-    out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
-    ws = _warp_specialize(a)
-    launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
-                                     diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                     warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws))
+    if call is None:
+        a, sparse, r = _problem(named)
+        out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
+        ws = _warp_specialize(a)
+        launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
+                                         diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
+                                         warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws))
+        if key is not None:
+            if len(_CALL_PLANS) >= _CALL_PLANS_MAX:
+                _CALL_PLANS.clear()
+            call = _CALL_PLANS[key] = _CallPlan(r._replace(dropout_seed=None), sparse, launch, tuple(out.shape))
+    else:
+        a, r = _arrays(named), call.resolved
+        if named["dropout_prob"] != 0.0:
+            r = r._replace(dropout_seed=_seed_tensor(named["dropout_prob"], named["dropout_seed"], query.device))
+        a["dropout_seed"] = r.dropout_seed
+        launch = call.forward
+        out = torch.empty(call.out_shape, dtype=a["query"].dtype, device=query.device)
     res = _launch.run(launch, a, outputs={"out": out})
-    return res["out"].to(query.dtype), res["lse"], r
+    return res["out"].to(query.dtype), res["lse"], r, call
 
 
 flash_fwd = torch.library.custom_op("dualattn::flash_fwd", mutates_args=(), device_types=("cpu", "cuda"))(
@@ -239,18 +300,35 @@ def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tenso
 
 
 def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-              resolved: Optional[_Resolved] = None):
+              resolved: Optional[_Resolved] = None, call: Optional[_CallPlan] = None):
+    """The backward launches; `resolved` and `call` as the forward of this call gave them (eager), or
+    both None (the custom op: then the call's plan is looked up by its key)."""
+    if resolved is None:
+        key = _call_key(named)
+        call = _CALL_PLANS.get(key) if key is not None else None
+        if call is not None:
+            resolved = call.resolved._replace(dropout_seed=_seed_tensor(named["dropout_prob"], named["dropout_seed"],
+                                                                        named["query"].device))
     a, sparse, r = _problem(named, resolved)
     shapes = r.shapes
     query, key, value, bias, softmax_aux = (named[n] for n in ("query", "key", "value", "bias", "softmax_aux"))
     # dO is read with O's strides (both contiguous BSHD / packed), dlse with lse's.
     a.update(out=_cpu_upcast(out).contiguous(), dout=_cpu_upcast(dout).to(a["query"].dtype).contiguous(),
              lse=lse.contiguous(), dlse=None if dlse is None else dlse.float().contiguous())
-    ws = _warp_specialize(a)
-    plan = flash_plan.plan_backward(shapes, r.options, _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
-                                    config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                    lse_grad=dlse is not None, warp_specialize=ws, num_sms=_num_sms(a),
-                                    gluon=_gluon(a, ws))
+    # What the backward plan depends on beyond the call's key (a config pinned around the backward
+    # included); lse and dlse are contiguous, of the sizes' shapes.
+    backward_key = (r.config, dlse is not None, _tensor_key(a["out"]), _tensor_key(a["dout"]),
+                    flash_plan.environment())
+    plan = call.backwards.get(backward_key) if call is not None else None
+    if plan is None:
+        ws = _warp_specialize(a)
+        plan = flash_plan.plan_backward(shapes, r.options,
+                                        _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
+                                        config=r.config, diag_shift=named["diag_shift"], sparse=sparse,
+                                        tma=_tma(a), lse_grad=dlse is not None, warp_specialize=ws,
+                                        num_sms=_num_sms(a), gluon=_gluon(a, ws))
+        if call is not None:
+            call.backwards[backward_key] = plan
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = _launch.run(plan.dkdv, a)
@@ -289,6 +367,14 @@ _GRAD_ARGS = ("query", "key", "value", "bias", "softmax_aux")
 _OTHER_TENSOR_ARGS = tuple(n for n in _TENSOR_ARGS if n not in _GRAD_ARGS)
 
 
+def _named(query, key, value, bias, softmax_aux, other_tensors: tuple, statics: tuple) -> dict:
+    """The op's arguments by name, from the packed form _FlashAttention.apply takes."""
+    named = dict(zip(_OTHER_TENSOR_ARGS, other_tensors))
+    named.update(query=query, key=key, value=value, bias=bias, softmax_aux=softmax_aux)
+    named.update(zip(_STATIC_ARGS, statics))
+    return named
+
+
 class _FlashAttention(torch.autograd.Function):
     """Autograd over the two custom ops (as flash-attn does).  Not flash_fwd.register_autograd:
     its generated forward re-binds all 30 schema arguments on every call (torch._library.utils.
@@ -301,14 +387,12 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, bias, softmax_aux, other_tensors: tuple, statics: tuple):
-        named = dict(zip(_OTHER_TENSOR_ARGS, other_tensors))
-        named.update(query=query, key=key, value=value, bias=bias, softmax_aux=softmax_aux)
-        named.update(zip(_STATIC_ARGS, statics))
+        named = _named(query, key, value, bias, softmax_aux, other_tensors, statics)
         if torch.compiler.is_compiling():
             out, lse = flash_fwd(*(named[n] for n in _TENSOR_ARGS), *statics)
-            ctx.resolved = None
+            ctx.resolved = ctx.call = None
         else:
-            out, lse, ctx.resolved = _forward(named)
+            out, lse, ctx.resolved, ctx.call = _forward(named)
         ctx.save_for_backward(out, lse, *(named[n] for n in _TENSOR_ARGS))
         ctx.static = statics
         # No zero-filled dlse when only out is used (an allocation, a memset and a load less).
@@ -331,7 +415,7 @@ class _FlashAttention(torch.autograd.Function):
             override = executor.current_override("flash")
             if override is not None:  # tiles pinned around the backward (the autotuner times them so)
                 resolved = resolved._replace(config=override)
-            dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved)
+            dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved, ctx.call)
         return (dq, dk, dv, dbias if named["bias"] is not None else None,
                 dsinks if named["softmax_aux"] is not None else None, None, None)
 
@@ -418,7 +502,12 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                _NONE if options.window_right is None else options.window_right,
                options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
                int(diag_shift), block_q, block_k, contiguous)   # as _STATIC_ARGS
-    out, lse = _FlashAttention.apply(query, key, value, bias, softmax_aux, other_tensors, statics)
+    grads = (query, key, value, bias, softmax_aux)   # as _GRAD_ARGS
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
+                                         any(t is not None and t.requires_grad for t in grads)):
+        out, lse = _FlashAttention.apply(*grads, other_tensors, statics)
+    else:  # nothing to differentiate: the forward alone, without autograd's Function machinery
+        out, lse, _, _ = _forward(_named(*grads, other_tensors, statics))
     return (out, lse) if return_lse else out
 
 

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 from ...options import FlashOptions
 from ...validation import FlashShapes
-from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
+from ..launch import NUM_SMS_ENV, Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
 
 SPARSE_INPUTS = ("sparse_kv_count", "sparse_kv_index", "sparse_q_order", "sparse_q_count", "sparse_q_index",
                  "sparse_k_order")
@@ -290,10 +290,21 @@ def out_shape(shapes: FlashShapes):
 _PLAN_CACHES = []
 
 
+_FORGET_HOOKS = []
+
+
 def forget_plans() -> None:
-    """Drop every memoised plan (after changing one of this module's rule constants, e.g. in tests)."""
+    """Drop every memoised plan (after changing one of this module's rule constants, e.g. in tests),
+    and what launchers memoise from plans (on_forget_plans)."""
     for cache in _PLAN_CACHES:
         cache.cache_clear()
+    for hook in _FORGET_HOOKS:
+        hook()
+
+
+def on_forget_plans(hook) -> None:
+    """Call `hook()` from forget_plans: for a launcher's own memo of planned calls."""
+    _FORGET_HOOKS.append(hook)
 
 
 def _memoised(plan_fn):
@@ -595,6 +606,14 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
 
 
 PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV, ONE_PASS_ENV, GLUON_FWD_ENV)
+# Every environment variable that planning a launch reads, here or in what launchers ask before
+# planning (tma_requested, warp_specialize_requested, sm_count, the tuned table).
+LAUNCH_ENV = PLAN_ENV + ("DUALATTN_TMA", "DUALATTN_WS", TUNED_FILE_ENV, NUM_SMS_ENV)
+
+
+def environment() -> tuple:
+    """The values of LAUNCH_ENV now: part of the key of a launcher's memo of planned calls."""
+    return tuple(map(os.environ.get, LAUNCH_ENV))
 
 
 @_memoised
