@@ -26,6 +26,27 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCK = threading.Lock()
 
 
+def _squeeze_scalars_to_index() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into a Python int (a `range` bound, e.g. the
+    kernels' `tl.range(lo, hi)`) with `int(array)` on its 1-element array, which NumPy >= 2.4
+    refuses for arrays of more than 0 dimensions; Triton 3.7 squeezes the array first.  Do the
+    same on 3.6 (`_patch_lang_tensor` is the function its launches call to patch tl.tensor)."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_scalars", False):
+        return
+
+    def patch_squeezing(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    patch_squeezing.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_squeezing
+
+
+if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
+    _squeeze_scalars_to_index()
+
+
 def _import_interpreted(submodule: str) -> ModuleType:
     with _LOCK:
         old = os.environ.get("TRITON_INTERPRET")
