@@ -8,9 +8,10 @@ is timed.  16k tokens, bf16, H100.  Wall time of torch.autograd.grad (CUDA event
     python benchmarks/experiments/one_pass_variants.py --shapes 128:4096,128:16384 --causal both \
         --variants base=64,128,2,2,1 grid=64,128,2,2,1,GRID [...]
 
-A variant is name=BLOCK_M,BLOCK_N,STAGES,DQ_BUFS,DS_BUFS[,GRID] (GRID: DUALATTN_PERSISTENT=0, a
-program per key tile).  (NOTES step 32's runs named two kernel switches since folded or dropped:
-ONE_BARRIER is DS_BUFS=2, REVERSE visited query tiles last first.)
+A variant is name=BLOCK_M,BLOCK_N,STAGES,DQ_BUFS,DS_BUFS[,GRID|PERSISTENT] (GRID: DUALATTN_PERSISTENT=0,
+a program per key tile; PERSISTENT: DUALATTN_PERSISTENT=1, persistent whatever the keys).  (NOTES step
+32's runs named two kernel switches since folded or dropped: ONE_BARRIER is DS_BUFS=2, REVERSE visited
+query tiles last first.)
 """
 import argparse
 import os
@@ -31,17 +32,19 @@ from one_pass_profile import backward_problems, wall_ms  # noqa: E402
 def parse_variant(text):
     name, spec = text.split("=")
     fields = spec.split(",")
-    return name, tuple(int(x) for x in fields[:5]), "GRID" in fields[5:]
+    flags = fields[5:]
+    return name, tuple(int(x) for x in fields[:5]), "0" if "GRID" in flags else "1" if "PERSISTENT" in flags else None
 
 
-def use_variant(d, tile, grid):
-    """Plan the one-pass kernel with `tile` at head dim d, a program per key tile where `grid`
-    (plans are memoised, so they are forgotten first); records the launch grid."""
+def use_variant(d, tile, persistent):
+    """Plan the one-pass kernel with `tile` at head dim d, DUALATTN_PERSISTENT=`persistent` ("0": a
+    program per key tile, "1": persistent, None: the plan's rule; plans are memoised, so they are
+    forgotten first); records the launch grid."""
     flash_plan.ONE_PASS_TILES = {**flash_plan.ONE_PASS_TILES, d: tile}
-    if grid:
-        os.environ[flash_plan.PERSISTENT_ENV] = "0"
-    else:
+    if persistent is None:
         os.environ.pop(flash_plan.PERSISTENT_ENV, None)
+    else:
+        os.environ[flash_plan.PERSISTENT_ENV] = persistent
 
     def launches(*args, **kwargs):
         one_pass, convert = _real_launches(*args, **kwargs)
@@ -90,8 +93,8 @@ def main():
         if args.two_pass:
             rows.append(("two-pass", time_ms(backward(out), args.iters, args.repeats), ""))
         os.environ["DUALATTN_ONE_PASS"] = "1"
-        for name, tile, grid in variants:
-            use_variant(d, tile, grid)
+        for name, tile, persistent in variants:
+            use_variant(d, tile, persistent)
             out = flash_attention(*leaves, causal=causal)
             got = backward(out)()
             errs = [rel_err(g, w) for g, w in zip(got, want)]
