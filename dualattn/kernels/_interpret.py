@@ -21,6 +21,16 @@ from types import ModuleType
 import triton  # noqa: F401
 import triton.language  # noqa: F401
 
+# Gluon too, before any interpreted launch.  While an interpreted kernel runs, Triton's interpreter
+# patches triton.language's builtins, and its argument specialisation imports Gluon lazily on the
+# first launch of a process; imported then, Gluon wraps the patched functions for good
+# (gl.exp2 = builtin(tl.math.exp2)) and every Gluon kernel compiled later in the process fails
+# ("Did you forget to add @triton.gluon.jit ?", Triton 3.7).
+try:
+    import triton.experimental.gluon.nvidia.hopper  # noqa: F401
+except ImportError:  # a Triton without Gluon: no Gluon kernels to compile either
+    pass
+
 _PACKAGE = "_dualattn_interpreted"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCK = threading.Lock()

@@ -7,7 +7,10 @@ running it).
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -209,3 +212,32 @@ def test_gpu_one_pass_matches_two_pass(monkeypatch, seed):
     for a, b in zip(grads["1"], grads["0"]):
         assert not torch.isnan(a).any()
         assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+
+_COMPILE_AFTER_INTERPRETING = """
+import torch
+import dualattn.torch_api as dt
+from dualattn.kernels import compile_check
+from test_one_pass import _plan
+
+q, k, v = (torch.randn(1, 48, 2, 32) for _ in range(3))
+dt.flash_attention(q, k, v, causal=True)   # the process's first launch: interpreted
+plan = _plan(d=64, hq=8, hkv=2, dtype="float16")
+dtypes = dict.fromkeys(("query", "key", "value", "dout"), "float16")
+compile_check.compile_launch(plan.dkdv, {**dtypes, "lse": "float32", "delta": "float32"}, arch=90)
+print("compiled")
+"""
+
+
+def test_gluon_compiles_after_an_interpreted_launch(tmp_path):
+    """A process whose first launch is interpreted still compiles Gluon kernels.  Triton's
+    interpreter imports Gluon lazily during its first launch, while triton.language's builtins are
+    patched; Gluon then wrapped the patched functions and every later Gluon compile in the process
+    failed (kernels/_interpret.py imports Gluon first).  A fresh process and an empty Triton cache,
+    so that neither an earlier test nor a cached kernel hides it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), flash_plan.ONE_PASS_ENV: "1",
+           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_AFTER_INTERPRETING], cwd=here, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
