@@ -26,10 +26,11 @@ import triton.language  # noqa: F401
 # first launch of a process; imported then, Gluon wraps the patched functions for good
 # (gl.exp2 = builtin(tl.math.exp2)) and every Gluon kernel compiled later in the process fails
 # ("Did you forget to add @triton.gluon.jit ?", Triton 3.7).
-try:
-    import triton.experimental.gluon.nvidia.hopper  # noqa: F401
-except ImportError:  # a Triton without Gluon: no Gluon kernels to compile either
-    pass
+for _gluon in ("triton.experimental.gluon.language", "triton.experimental.gluon.nvidia.hopper"):
+    try:
+        importlib.import_module(_gluon)
+    except ImportError:  # a Triton without that module: nothing of it to wrap
+        pass
 
 _PACKAGE = "_dualattn_interpreted"
 _HERE = os.path.dirname(os.path.abspath(__file__))
