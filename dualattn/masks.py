@@ -67,6 +67,8 @@ def causal() -> MaskBuilder:
 
 def local(window) -> MaskBuilder:
     """Sliding window: int w -> (w, w) or (left, right), around the bottom-right diagonal."""
+    if window is None or isinstance(window, (bool, str)):
+        raise TypeError(f"local(window): window must be an int w or a (left, right) pair, got {window!r}")
     left, right = (int(window), int(window)) if np.ndim(window) == 0 else window
     if (left is not None and left < 0) or (right is not None and right < 0):
         raise ValueError(f"local window sides must be >= 0, got {window}")

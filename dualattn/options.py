@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional, Tuple, Union
 
 Window = Union[None, int, Tuple[Optional[int], Optional[int]]]
@@ -69,28 +70,38 @@ class FlashOptions:
                    logits_soft_cap=cap, dropout_prob=float(dropout_prob))
 
 
+# A window side this wide or wider reaches past any sequence the int32 positions of the kernels can
+# index: it is unbounded (and a wider int could not be passed to an int32 kernel argument).
+UNBOUNDED_WINDOW = 2 ** 31 - 1
+
+
+def _is_int(w) -> bool:
+    return isinstance(w, numbers.Integral) and not isinstance(w, bool) and type(w).__name__ != "bool_"
+
+
 def canonical_window(sliding_window: Window, causal: bool) -> Tuple[Optional[int], Optional[int]]:
-    """int w -> (w, w); (l, r) kept (a negative side or None means unbounded); causal forces right = 0."""
+    """int w -> (w, w); (l, r) kept (a negative side or None means unbounded); causal forces right = 0.
+    A side of UNBOUNDED_WINDOW or more is unbounded."""
     if sliding_window is None:
         left, right = None, None
-    elif isinstance(sliding_window, bool):
-        raise TypeError(f"sliding_window must be an int or a (left, right) pair, got {sliding_window!r}")
-    elif isinstance(sliding_window, int):
+    elif _is_int(sliding_window):
         if sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
-        left, right = sliding_window, sliding_window
+        left, right = int(sliding_window), int(sliding_window)
     elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
         left, right = sliding_window
         for side, w in (("left", left), ("right", right)):
-            if w is not None and not isinstance(w, int):
+            if w is not None and not _is_int(w):
                 raise TypeError(f"sliding_window {side} must be an int or None, got {w!r}")
         # flash-attn spells "unbounded" as -1; any other negative is an error.
         if left is not None and left < -1 or right is not None and right < -1:
             raise ValueError(f"sliding_window sides must be >= 0 (or -1/None for unbounded), got {sliding_window}")
-        left = None if left is None or left < 0 else left
-        right = None if right is None or right < 0 else right
+        left = None if left is None or left < 0 else int(left)
+        right = None if right is None or right < 0 else int(right)
     else:
         raise TypeError(f"sliding_window must be None, an int or a (left, right) pair, got {sliding_window!r}")
+    left = None if left is not None and left >= UNBOUNDED_WINDOW else left
+    right = None if right is not None and right >= UNBOUNDED_WINDOW else right
     if causal:
         right = 0 if right is None else min(right, 0)
     return left, right

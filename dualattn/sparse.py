@@ -54,6 +54,34 @@ class SparseMask:
     # Per-framework device copies of the lists, made on first use and reused across calls.
     device_cache: Dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        """Check lists given directly (not built by from_block_map): the kernels index K/V, the layout
+        and their own programs with these values, so one out of range would read out of bounds."""
+        bm = np.asarray(self.block_map)
+        if bm.ndim != 4 or bm.dtype != np.bool_:
+            raise ValueError(f"block_map must be a 4-D boolean array, got shape {bm.shape} and dtype {bm.dtype}")
+        lb, lh, nq, nk = bm.shape
+        for name, b in (("block_q", self.block_q), ("block_k", self.block_k)):
+            if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 16 or b & (b - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {b!r}")
+        for counts, indices, order, rows, cols, what in (
+                ("kv_counts", "kv_indices", "q_order", nq, nk, "key blocks per query block"),
+                ("q_counts", "q_indices", "k_order", nk, nq, "query blocks per key block")):
+            c, i, o = (np.asarray(getattr(self, n)) for n in (counts, indices, order))
+            for name, x, shape in ((counts, c, (lb, lh, rows)), (indices, i, (lb, lh, rows, cols)),
+                                   (order, o, (lb, lh, rows))):
+                if x.shape != shape or not np.issubdtype(x.dtype, np.integer):
+                    raise ValueError(f"{name} must be an integer array of shape {shape} ({what}), got "
+                                     f"{x.dtype}{x.shape}")
+            if np.any((c < 0) | (c > cols)):
+                raise ValueError(f"{counts} must lie in [0, {cols}], got values in [{c.min()}, {c.max()}]")
+            used = np.arange(cols) < c[..., None]
+            if np.any(used & ((i < 0) | (i >= cols))):
+                bad = i[used & ((i < 0) | (i >= cols))]
+                raise ValueError(f"{indices} holds block indices outside [0, {cols}) within the counts: {bad[:8]}")
+            if np.any(np.sort(o, axis=-1) != np.arange(rows)):
+                raise ValueError(f"{order} must be a permutation of range({rows}) along its last axis")
+
     @classmethod
     def from_block_map(cls, block_map, block_q: int, block_k: int) -> "SparseMask":
         for name, b in (("block_q", block_q), ("block_k", block_k)):

@@ -7,6 +7,7 @@ argument and the expected shape, before any kernel launch.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Optional
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -177,13 +178,33 @@ def check_flash_args(query, key, value, *, bias=None, attention_mask=None, q_seg
     return FlashShapes(**info)
 
 
+def segment_id_dtype(*dtypes) -> str:
+    """The dtype segment ids run as in the kernels: "int32" when every given dtype's values fit it
+    exactly, else "int64" (int64, uint32, uint64 ids: the kernels compare 64-bit ids rather than
+    narrow them, so ids 0 and 2**32 stay different).  uint64 ids are reinterpreted as int64 bit for
+    bit, which keeps equality."""
+    names = {dtype_name(d) for d in dtypes if d is not None}
+    return "int64" if names & {"int64", "uint32", "uint64"} else "int32"
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean option (causal, return_lse, ...): a bool or a numpy bool, never a string or a number,
+    which would be read by truthiness (causal="False" would run causal)."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_dropout(dropout_prob, dropout_seed):
+    if isinstance(dropout_prob, (bool, str)) or not isinstance(dropout_prob, numbers.Real):
+        raise TypeError(f"dropout_prob must be a float, got {type(dropout_prob).__name__} {dropout_prob!r}")
     if not 0.0 <= float(dropout_prob) < 1.0:
         raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
-    if dropout_seed is not None and not isinstance(dropout_seed, int):
-        # jax may pass a traced/array seed; only python ints are validated here.
-        if not hasattr(dropout_seed, "shape"):
-            raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}")
+    if dropout_seed is None or isinstance(dropout_seed, numbers.Integral) and not isinstance(dropout_seed, bool):
+        return
+    if hasattr(dropout_seed, "shape") and hasattr(dropout_seed, "dtype") and dtype_name(dropout_seed) != "bool":
+        return  # an array (a traced jax seed): its dtype and shape are checked by the front end
+    raise TypeError(f"dropout_seed must be an int or None, got {type(dropout_seed).__name__} {dropout_seed!r}")
 
 
 def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int,

@@ -5,8 +5,8 @@ from typing import Optional
 
 from ..options import FlashOptions
 from ..sparse import resolve_layout
-from ..validation import check_flash_args
-from .flash import _call, _resolve_backend
+from ..validation import check_flag, check_flash_args
+from .flash import _call, _resolve_backend, check_arrays
 
 
 def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, block_q: int = 64,
@@ -20,8 +20,12 @@ def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, 
     "xla" (gathers only the active blocks, never a dense Sq x Sk matrix), or "auto" (triton on
     GPU, xla elsewhere).
     """
-    if len(query.shape) != 4:
-        raise ValueError(f"query must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(query.shape)}")
+    check_arrays(query=query, key=key, value=value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                 q_positions=q_positions, kv_positions=kv_positions, softmax_aux=softmax_aux)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}")
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     b, sq, hq, _ = query.shape
     layout = resolve_layout(layout, mask_builder, batch=b, heads=hq, seqlen_q=sq, seqlen_k=key.shape[1],
                             block_q=block_q, block_k=block_k)

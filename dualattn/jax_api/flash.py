@@ -20,9 +20,11 @@ from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32, row_major_strides, sm_count
 from ..options import FlashOptions
 from ..sparse import sparse_info
-from ..validation import FlashShapes, check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
+from ..validation import (FlashShapes, check_cu_seqlens_values, check_dropout, check_flag, check_flash_args,
+                          check_positions)
 from . import _launch
 from ._vma import vary_like
+from .mask import sanitize_cu_seqlens, segment_ids_as_kernel_dtype, varlen_tokens
 
 BACKENDS = ("auto", "triton", "xla", "pallas")
 _TENSORS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "softmax_aux",
@@ -133,6 +135,18 @@ def _sparse_arrays(layout) -> dict:
     return layout.device_cache["jax"]
 
 
+def check_arrays(**arrays) -> None:
+    """TypeError naming the argument unless each given array is a jax array or a numpy array: a list
+    or a torch tensor would otherwise fail deep inside tracing (dualattn.interop.torch_to_jax moves a
+    torch tensor over without a copy)."""
+    for name, x in arrays.items():
+        if x is None and name not in ("query", "key", "value") or isinstance(x, (jax.Array, np.ndarray)):
+            continue
+        hint = " (dualattn.interop.torch_to_jax converts it without a copy)" if type(x).__module__.startswith(
+            "torch") else ""
+        raise TypeError(f"{name} must be a jax array, got {type(x).__module__}.{type(x).__name__}{hint}")
+
+
 def _resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -167,6 +181,11 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
           kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse, backend,
           cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, xla_options=None,
           sparse=None, q_positions=None, kv_positions=None):
+    check_arrays(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
+                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, q_positions=q_positions,
+                 kv_positions=kv_positions)
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     check_dropout(dropout_prob, dropout_seed)
     shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
@@ -175,15 +194,22 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                  dropout_prob=dropout_prob)
-    if shapes.varlen and not any(isinstance(c, jax.core.Tracer) for c in (cu_seqlens_q, cu_seqlens_k)):
-        check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(),
-                                shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
+    if shapes.varlen:
+        if not any(isinstance(c, jax.core.Tracer) for c in (cu_seqlens_q, cu_seqlens_k)):
+            check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(),
+                                    shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
+        # Traced tables are checked by no host: run them as made non-decreasing and clipped to the packed
+        # tokens (a no-op on checked ones), so sequences never overlap (mask.varlen_tokens).
+        cu_seqlens_q = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_q), shapes.total_q)
+        cu_seqlens_k = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k), shapes.total_k)
     backend = _resolve_backend(backend)
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
-        q_segment_ids, kv_segment_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+        q_segment_ids, kv_segment_ids = segment_ids_as_kernel_dtype(q_segment_ids, kv_segment_ids)
     if backend == "triton":
+        if attention_mask is not None and attention_mask.dtype not in (jnp.bool_, jnp.int8):
+            attention_mask = attention_mask != 0   # never truncated to 8 bits (256 -> 0)
         arrays = dict(query=query, key=key, value=value, bias=bias,
                       attention_mask=None if attention_mask is None else attention_mask.astype(jnp.int8),
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -197,11 +223,18 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift), info,
                          **_descriptor_flags(query))
         out, lse = _flash_triton(static, arrays)
+        if shapes.varlen and return_lse:
+            # Rows in no sequence are written by no program; out was zero-filled, lse is masked here
+            # (jax-triton can only zero-fill: plan._forward_outputs).
+            inside = varlen_tokens(cu_seqlens_q, shapes.total_q, shapes.seqlen_q)[2]
+            lse = jnp.where(inside[None, :], lse, -jnp.inf)
         return (out, lse) if return_lse else out
     if diag_shift:
         raise ValueError(f"diag_shift is only supported by the triton backend, not {backend!r}")
     common = dict(options=options, bias=bias, attention_mask=attention_mask, q_segment_ids=q_segment_ids,
                   kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux, return_lse=return_lse)
+    if backend == "pallas" and 0 in (shapes.batch, shapes.seqlen_q, shapes.seqlen_k):
+        backend = "xla"   # nothing to compute (an empty output, or every row fully masked): no TPU grid
     if backend == "xla":
         from . import xla
         extra = dict(xla_options or {})

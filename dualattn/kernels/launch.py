@@ -18,7 +18,11 @@ class Output:
     name: str
     shape: Tuple[int, ...]
     dtype: str            # "float32", "bfloat16", ... or "like:<input name>"
-    zeroed: bool = False  # must be zero-filled before the launch (accumulated / sparse writes)
+    zeroed: bool = False  # must be filled before the launch (accumulated / sparse writes), with `fill`
+    # The value a `zeroed` buffer holds before the launch: 0, or -inf for a varlen lse, whose rows in
+    # no sequence no program writes.  jax-triton can only zero-fill: the JAX front end masks those
+    # rows itself (jax_api/flash.py).
+    fill: float = 0.0
     # The kernel's tensor descriptors live in this buffer where the launcher has no global scratch
     # of its own (jax-triton: jax_api/_scratch.py); Triton's launcher (torch) brings its own, so
     # torch passes a dummy pointer.  Never a result.

@@ -52,8 +52,8 @@ class _Prepared:
         self.interpreted = interpret
         self.scalars = [value for _, value in launch.scalars]
         # (name, allocator, shape, dtype spec, scratch, placeholder) in signature order.
-        self.outputs = tuple((o.name, torch.zeros if o.zeroed else torch.empty, o.shape, o.dtype, o.scratch,
-                              o.placeholder) for o in launch.outputs)
+        self.outputs = tuple((o.name, _allocator(o), o.shape, o.dtype, o.scratch, o.placeholder)
+                             for o in launch.outputs)
         self.constexprs = launch.constexpr_dict
         self.tensors = self.ints = None  # argument positions Triton specialises: set on the first launch
         self.variants = {}  # specialisation -> (CompiledKernel, constexpr values in signature order)
@@ -64,6 +64,15 @@ class _Prepared:
         self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self.ints = tuple(p.num for p in self.kernel.params[:len(args)]
                           if not p.do_not_specialize and not p.is_constexpr and type(args[p.num]) is int)
+
+
+def _allocator(output):
+    """torch.empty, torch.zeros or a torch.full with the output's fill value."""
+    if not output.zeroed:
+        return torch.empty
+    if output.fill == 0.0:
+        return torch.zeros
+    return functools.partial(torch.full, fill_value=output.fill)
 
 
 # id(launch) -> its _Prepared record.

@@ -29,8 +29,11 @@ def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, *, layout=N
         softmax_aux, logits_soft_cap, softmax_scale, return_lse: as flash_attention.
     The result equals dense attention under the token mask the layout and the rules imply.
     """
-    if not isinstance(query, torch.Tensor) or query.dim() != 4:
-        raise ValueError("query must be a 4-D (batch, seq_len, heads, head_dim) torch.Tensor")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(t.shape)}")
     b, sq, hq, _ = query.shape
     layout = resolve_layout(layout, mask_builder, batch=b, heads=hq, seqlen_q=sq, seqlen_k=key.shape[1],
                             block_q=block_q, block_k=block_k)

@@ -20,7 +20,8 @@ from .. import executor
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32, sm_count
 from ..options import FlashOptions
-from ..validation import check_cu_seqlens_values, check_dropout, check_flash_args, check_positions
+from ..validation import (check_cu_seqlens_values, check_dropout, check_flag, check_flash_args, check_positions,
+                          segment_id_dtype)
 from . import _launch
 
 Tensor = torch.Tensor
@@ -241,6 +242,11 @@ def _call_key(named: dict) -> Optional[tuple]:
             flash_plan.environment(), executor.default_executor().state("flash"))
 
 
+def _new_out(shape, varlen: bool, dtype, device) -> Tensor:
+    # Varlen rows in no sequence are written by no program: zeros (plan._forward_outputs).
+    return (torch.zeros if varlen else torch.empty)(shape, dtype=dtype, device=device)
+
+
 def _forward(named: dict):
     """(out, lse, what was resolved for the call, its _CallPlan or None): eager backward reuses both."""
     key = _call_key(named)
@@ -248,7 +254,7 @@ def _forward(named: dict):
     query = named["query"]
     if call is None:
         a, sparse, r = _problem(named)
-        out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
+        out = _new_out(flash_plan.out_shape(r.shapes), r.shapes.varlen, a["query"].dtype, query.device)
         ws = _warp_specialize(a)
         launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
                                          diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
@@ -263,7 +269,7 @@ def _forward(named: dict):
             r = r._replace(dropout_seed=_seed_tensor(named["dropout_prob"], named["dropout_seed"], query.device))
         a["dropout_seed"] = r.dropout_seed
         launch = call.forward
-        out = torch.empty(call.out_shape, dtype=a["query"].dtype, device=query.device)
+        out = _new_out(call.out_shape, call.resolved.shapes.varlen, a["query"].dtype, query.device)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"], r, call
 
@@ -442,20 +448,34 @@ def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 def _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux):
     query, key, value, bias = map(_last_dim_contiguous, (query, key, value, bias))
     if attention_mask is not None:
-        attention_mask = _last_dim_contiguous(attention_mask.to(torch.int8) if attention_mask.dtype != torch.int8
-                                              else attention_mask)
+        # int8 in the kernels; any other integer mask becomes (mask != 0) first, never truncated (256 -> 0).
+        if attention_mask.dtype not in (torch.bool, torch.int8):
+            attention_mask = attention_mask != 0
+        attention_mask = _last_dim_contiguous(attention_mask.to(torch.int8))
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
-        q_segment_ids = q_segment_ids.to(torch.int32).contiguous()
-        kv_segment_ids = kv_segment_ids.to(torch.int32).contiguous()
+        width = getattr(torch, segment_id_dtype(q_segment_ids.dtype, kv_segment_ids.dtype))
+        q_segment_ids, kv_segment_ids = (_segment_ids(ids, width) for ids in (q_segment_ids, kv_segment_ids))
     if softmax_aux is not None:
         softmax_aux = softmax_aux.contiguous()
     return query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux
 
 
+def _segment_ids(ids: Tensor, width: torch.dtype) -> Tensor:
+    """Segment ids as `width` (validation.segment_id_dtype) without changing which ids are equal."""
+    if ids.dtype == torch.uint64:   # bit for bit: equality is kept
+        ids = ids.view(torch.int64)
+    return ids.to(width).contiguous()
+
+
 def _capturing(t: Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _sanitized_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
+    """The torch twin of jax_api.mask.sanitize_cu_seqlens: non-decreasing, clipped to [0, total]."""
+    return torch.cummax(cu_seqlens, 0).values.clamp(0, total).to(torch.int32)
 
 
 def _resolve_seed(dropout_prob: float, dropout_seed: Optional[int]) -> int:
@@ -474,17 +494,24 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     _check_devices(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     check_dropout(dropout_prob, dropout_seed)
     shapes = _checked(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux,
                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    if shapes.varlen and not torch.compiler.is_compiling() and not _capturing(cu_seqlens_q):
-        # A device->host copy of the (small) tables: a sync on CUDA, so skipped where it cannot
-        # happen (torch.compile graphs, CUDA-graph capture); a bad table would read out of bounds.
-        check_cu_seqlens_values(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), shapes.total_q, shapes.total_k,
-                                shapes.seqlen_q, shapes.seqlen_k)
+    if shapes.varlen:
+        if not torch.compiler.is_compiling() and not _capturing(cu_seqlens_q):
+            # A device->host copy of the (small) tables: a sync on CUDA, so skipped where it cannot
+            # happen (torch.compile graphs, CUDA-graph capture).
+            check_cu_seqlens_values(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), shapes.total_q, shapes.total_k,
+                                    shapes.seqlen_q, shapes.seqlen_k)
+        else:
+            # Unchecked tables run made non-decreasing and clipped to the packed tokens, so sequences
+            # never overlap; the kernels clamp every bound anyway (rules.sequence_bounds).
+            cu_seqlens_q = _sanitized_cu_seqlens(cu_seqlens_q, shapes.total_q)
+            cu_seqlens_k = _sanitized_cu_seqlens(cu_seqlens_k, shapes.total_k)
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                  dropout_prob=dropout_prob)
@@ -603,8 +630,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     (B, H, Sq, Sk). is_causal here is top-left aligned like torch's (equal for Sq == Sk).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D (batch, heads, seq_len, head_dim) tensor")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (batch, heads, seq_len, head_dim) tensor, got shape "
+                             f"{tuple(t.shape)}")
+    is_causal, enable_gqa = check_flag("is_causal", is_causal), check_flag("enable_gqa", enable_gqa)
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal cannot both be set (as in torch's SDPA)")
     b, hq, sq, _ = query.shape

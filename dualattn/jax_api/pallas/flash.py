@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...options import FlashOptions
-from ..mask import position_mask
+from ..mask import exp_nonpositive, position_mask, score_unit, segment_ranks, sink_logsumexp, sink_probability
 
 __all__ = ["BlockSizes", "check_pallas_supported", "flash_attention_pallas", "resolve_interpret"]
 
@@ -149,6 +149,18 @@ def _block_live(st: _Static, i, j):
     return live
 
 
+def _idiv(a, b):
+    """Integer a // b (both >= 0) in a's dtype: index maps see int32 ids and python-int sizes, which
+    lax.div would refuse to mix under jax_enable_x64."""
+    a = jnp.asarray(a)
+    return lax.div(a, jnp.asarray(b, a.dtype))
+
+
+def _irem(a, b):
+    a = jnp.asarray(a)
+    return lax.rem(a, jnp.asarray(b, a.dtype))
+
+
 def _clamp(x, lo, hi, n):
     return jnp.clip(jnp.clip(x, lo, hi), 0, n - 1)
 
@@ -160,8 +172,8 @@ def _kv_block_in_band(st: _Static, i, j, nk: int):
         return j
     bk = st.blocks.block_k
     q0, q1 = _q_span(st, i)
-    lo = 0 if o.window_left is None else lax.div(jnp.maximum(q0 - o.window_left, 0), bk)
-    hi = nk - 1 if o.window_right is None else lax.div(jnp.maximum(q1 + o.window_right, 0), bk)
+    lo = 0 if o.window_left is None else _idiv(jnp.maximum(q0 - o.window_left, 0), bk)
+    hi = nk - 1 if o.window_right is None else _idiv(jnp.maximum(q1 + o.window_right, 0), bk)
     return _clamp(j, lo, hi, nk)
 
 
@@ -172,8 +184,8 @@ def _q_block_in_band(st: _Static, j, i, nq: int):
         return i
     bq = st.blocks.block_q
     k0, k1 = _k_span(st, j)
-    lo = 0 if o.window_right is None else lax.div(jnp.maximum(k0 - o.window_right - st.q_offset, 0), bq)
-    hi = nq - 1 if o.window_left is None else lax.div(jnp.maximum(k1 + o.window_left - st.q_offset, 0), bq)
+    lo = 0 if o.window_right is None else _idiv(jnp.maximum(k0 - o.window_right - st.q_offset, 0), bq)
+    hi = nq - 1 if o.window_left is None else _idiv(jnp.maximum(k1 + o.window_left - st.q_offset, 0), bq)
     return _clamp(i, lo, hi, nq)
 
 
@@ -181,15 +193,18 @@ def _q_block_in_band(st: _Static, j, i, nq: int):
 # the shared score / mask helper
 # --------------------------------------------------------------------------------------------------
 
-def _block_scores(st: _Static, refs, q, k, i, j):
+def _block_scores(st: _Static, refs, q, k, i, j, unit: float = 1.0):
     """Scores of one (query block i, key block j) tile and the mask that applies to them.
 
     s = q.k * scale, + bias, soft cap; masked entries are -inf.  Returns (s, allowed, tanh) where
-    tanh is the soft cap's tanh (for its derivative) or None.
+    tanh is the soft cap's tanh (for its derivative) or None.  unit: a factor the caller applies
+    itself (mask.score_unit): s is then q.k * scale / unit.
     """
     o = st.options
     bq, bk = q.shape[0], k.shape[0]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * o.softmax_scale   # [bq, bk]
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)   # [bq, bk]
+    if unit != o.softmax_scale:
+        s = s * o.softmax_scale
     if "bias" in refs:
         s = s + refs["bias"][...].astype(jnp.float32)
     t = None
@@ -210,7 +225,7 @@ def _block_scores(st: _Static, refs, q, k, i, j):
 
 def _probs(s, allowed, lse):
     """exp(s - lse) on allowed entries, 0 elsewhere (also when lse is -inf: a fully masked row)."""
-    return jnp.where(allowed, jnp.exp(s - lse), 0.0)
+    return jnp.where(allowed, exp_nonpositive(s - lse), 0.0)
 
 
 def _score_grad(p, dp, delta, t):
@@ -230,10 +245,12 @@ def _fwd_kernel(*all_refs, names, st: _Static):
     m_scr, l_scr, acc_scr = all_refs[len(names):]
     h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
+    unit = score_unit(st.options, "bias" in refs)   # m_scr holds the running max in `unit`s
+
     @pl.when(j == 0)
     def _init():
         if "sink_lse" in refs:   # the sinks seed every row: max = their lse, sum = 1
-            m_scr[...] = jnp.full(m_scr.shape, refs["sink_lse"][h], jnp.float32)
+            m_scr[...] = jnp.full(m_scr.shape, refs["sink_lse"][h] / unit, jnp.float32)
             l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
         else:
             m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
@@ -242,12 +259,13 @@ def _fwd_kernel(*all_refs, names, st: _Static):
 
     @pl.when(_block_live(st, i, j))
     def _step():
-        s, _, _ = _block_scores(st, refs, refs["q"][...], refs["k"][...], i, j)   # [bq, bk]
+        s, _, _ = _block_scores(st, refs, refs["q"][...], refs["k"][...], i, j, unit)   # [bq, bk]
         m_prev = m_scr[...]                                                       # [bq, 1]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # all -inf so far: no inf - inf
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
+        p = exp_nonpositive((s - m_safe) * unit)
+        # (m_prev == m_next: nothing to rescale; this also keeps a +inf sink's row, inf - inf, from NaN)
+        alpha = jnp.where(m_prev == m_next, 1.0, jnp.exp((m_prev - m_safe) * unit))
         v = refs["v"][...]
         m_scr[...] = m_next
         l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
@@ -258,7 +276,7 @@ def _fwd_kernel(*all_refs, names, st: _Static):
         l = l_scr[...]
         empty = l == 0.0
         refs["out"][...] = (acc_scr[...] / jnp.where(empty, 1.0, l)).astype(refs["out"].dtype)
-        refs["lse"][...] = jnp.where(empty, -jnp.inf, m_scr[...] + jnp.log(jnp.where(empty, 1.0, l)))
+        refs["lse"][...] = jnp.where(empty, -jnp.inf, m_scr[...] * unit + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 def _dq_kernel(*all_refs, names, st: _Static):
@@ -296,7 +314,7 @@ def _dkv_kernel(*all_refs, names, st: _Static, nq: int):
     refs = dict(zip(names, all_refs))
     dk_scr, dv_scr = all_refs[len(names):]
     j, t_step = pl.program_id(2), pl.program_id(3)
-    i = lax.rem(t_step, nq)   # query block; t_step // nq is the query head within the kv head's group
+    i = _irem(t_step, nq)   # query block; t_step // nq is the query head within the kv head's group
 
     @pl.when(t_step == 0)
     def _init():
@@ -372,7 +390,7 @@ def _forward(st: _Static, q, k, v, bias, sink_lse, mask, q_seg, kv_seg):
         return b, h, i, _kv_block_in_band(st, i, j, nk)
 
     kv = lambda width: pl.BlockSpec((None, None, bk, width),
-                                    lambda b, h, i, j: (b, lax.div(h, group), qk_map(b, h, i, j)[3], 0))
+                                    lambda b, h, i, j: (b, _idiv(h, group), qk_map(b, h, i, j)[3], 0))
     inputs = [
         ("q", q, pl.BlockSpec((None, None, bq, D), lambda b, h, i, j: (b, h, i, 0))),
         ("k", k, kv(D)),
@@ -405,7 +423,7 @@ def _backward(st: _Static, q, k, v, bias, mask, q_seg, kv_seg, do, lse, delta, w
 
     row = lambda width: pl.BlockSpec((None, None, bq, width), lambda b, h, i, j: (b, h, i, 0))
     kv = lambda width: pl.BlockSpec((None, None, bk, width),
-                                    lambda b, h, i, j: (b, lax.div(h, group), qk_map(b, h, i, j)[3], 0))
+                                    lambda b, h, i, j: (b, _idiv(h, group), qk_map(b, h, i, j)[3], 0))
     inputs = [("q", q, row(D)), ("k", k, kv(D)), ("v", v, kv(Dv)), ("do", do, row(Dv)),
               ("lse", lse, row(1)), ("delta", delta, row(1)),
               *_aux_inputs(st, bias, mask, q_seg, kv_seg, qk_map, B, Hq)]
@@ -417,7 +435,7 @@ def _backward(st: _Static, q, k, v, bias, mask, q_seg, kv_seg, do, lse, delta, w
 
     # dK/dV: grid (b, kv head, j, t) with t = g * nq + i, reduction over the group's heads and query blocks.
     def qk_map_t(b, hk, j, t):
-        return b, hk * group + lax.div(t, nq), _q_block_in_band(st, j, lax.rem(t, nq), nq), j
+        return b, hk * group + _idiv(t, nq), _q_block_in_band(st, j, _irem(t, nq), nq), j
 
     row = lambda width: pl.BlockSpec((None, None, bq, width), lambda *g: (*qk_map_t(*g)[:3], 0))
     kv = lambda width: pl.BlockSpec((None, None, bk, width), lambda b, hk, j, t: (b, hk, j, 0))
@@ -475,7 +493,7 @@ def _flash_core_bwd(st, res, cotangents):
         dbias = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)
     dsink = None
     if wanted.dsinks:
-        w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink_lse[None, :, None, None] - lse))   # sink probability
+        w = sink_probability(sink_lse[None, :, None, None], lse)   # sink probability
         dsink = -jnp.sum(w * delta, axis=(0, 2, 3)).astype(sink_lse.dtype)
     return dq, dk, dv, dbias, dsink, None, None, None
 
@@ -504,7 +522,7 @@ def _sink_lse(softmax_aux, heads_q: int):
     aux = softmax_aux.astype(jnp.float32)
     if aux.ndim == 1:
         aux = aux[:, None] if aux.shape[0] == heads_q else jnp.broadcast_to(aux[None, :], (heads_q, aux.shape[0]))
-    return jax.nn.logsumexp(aux, axis=-1)
+    return sink_logsumexp(aux)
 
 
 def flash_attention_pallas(query, key, value, *, options: FlashOptions, bias=None, attention_mask=None,
@@ -549,8 +567,9 @@ def flash_attention_pallas(query, key, value, *, options: FlashOptions, bias=Non
     if q_segment_ids is not None or kv_segment_ids is not None:
         qs = q_segment_ids if q_segment_ids is not None else kv_segment_ids
         ks = kv_segment_ids if kv_segment_ids is not None else q_segment_ids
-        q_seg = _pad_axis(qs.astype(jnp.int32), 1, sq_pad)[:, :, None]     # [B, Sq_pad, 1]
-        kv_seg = _pad_axis(ks.astype(jnp.int32), 1, sk_pad)[:, None, :]    # [B, 1, Sk_pad]
+        qs, ks = segment_ranks(qs, ks)   # 32-bit on TPU, equal exactly where the ids are
+        q_seg = _pad_axis(qs, 1, sq_pad)[:, :, None]     # [B, Sq_pad, 1]
+        kv_seg = _pad_axis(ks, 1, sk_pad)[:, None, :]    # [B, 1, Sk_pad]
     sink_lse = None if softmax_aux is None else _sink_lse(softmax_aux, Hq)
 
     out, lse = _flash_core(st, q, k, v, bias_p, sink_lse, mask_p, q_seg, kv_seg)

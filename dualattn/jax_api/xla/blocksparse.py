@@ -50,7 +50,7 @@ from jax import lax
 from ...options import FlashOptions
 from ...sparse import SparseMask
 from ...validation import check_flash_args
-from ..mask import position_mask
+from ..mask import exp_nonpositive, finish_rows, position_mask, score_unit, sink_logsumexp, sink_probability
 from .flash import (_NEG_INF, _Aux, _hashable_precision, _int_rows, _sink_grad_to_layout, _sink_layout,
                     _sink_matrix)
 
@@ -232,16 +232,19 @@ def _gather_blocks(bucket: _Bucket, x4, kb):
 
 
 def _tile_logits(cfg: BlocksparseXlaConfig, bucket: _Bucket, q_rows, row_tok, tokens: _Tokens, k_blk, kb,
-                 valid_slot):
+                 valid_slot, unit: float = 1.0):
     """Logits of one slot for all rows of a bucket and where they may attend.
 
     q_rows (R, Fb, Fh, Fg, bq, D), k_blk (R, Fb, Fh, bk, D), kb / valid_slot (R,).
     Returns s (R, Fb, Fh, Fg, bq, bk) float32 after scale and soft cap (unmasked), the mask
     (broadcastable to s) and tanh(s_pre_cap / cap) for the backward (None without soft cap).
+    unit: a factor the caller applies itself (mask.score_unit): s is then q.k * scale / unit.
     """
     opts, plan = cfg.options, cfg.plan
     s = jnp.einsum("rbhgqd,rbhkd->rbhgqk", q_rows, k_blk, precision=cfg.precision,
-                   preferred_element_type=jnp.float32) * opts.softmax_scale
+                   preferred_element_type=jnp.float32)
+    if unit != opts.softmax_scale:
+        s = s * opts.softmax_scale
     tanh = None
     if opts.logits_soft_cap is not None:
         tanh = jnp.tanh(s / opts.logits_soft_cap)
@@ -291,6 +294,7 @@ def _forward(cfg: BlocksparseXlaConfig, query, key, value, softmax_aux, aux: _Au
     B, Sq, Hq, Dv = plan.batch, plan.seqlen_q, plan.heads_q, value.shape[-1]
     q6, k5, v5 = _blocks(plan, query, key, value)
     tokens = _Tokens(plan, aux)
+    unit = score_unit(cfg.options, has_bias=False)
 
     ms, ls, accs = [], [], []
     for bucket in plan.buckets:
@@ -301,12 +305,12 @@ def _forward(cfg: BlocksparseXlaConfig, query, key, value, softmax_aux, aux: _Au
             m, l, acc = state
             kb, valid = xs
             s, ok, _ = _tile_logits(cfg, bucket, q_rows, row_tok, tokens, _gather_blocks(bucket, k5, kb), kb,
-                                    valid)
+                                    valid, unit)
             s = jnp.where(ok, s, _NEG_INF)                                # [R, Fb, Fh, Fg, bq, bk]
-            m_new = jnp.maximum(m, s.max(axis=-1))
+            m_new = jnp.maximum(m, s.max(axis=-1))                        # in `unit`s
             m_ref = jnp.where(m_new == _NEG_INF, 0.0, m_new)              # no (-inf) - (-inf)
-            p = jnp.exp(s - m_ref[..., None])
-            alpha = jnp.exp(m - m_ref)
+            p = exp_nonpositive((s - m_ref[..., None]) * unit)
+            alpha = jnp.exp((m - m_ref) * unit)
             v_blk = _gather_blocks(bucket, v5, kb)                        # [R, Fb, Fh, bk, Dv]
             pv = jnp.einsum("rbhgqk,rbhkd->rbhgqd", p.astype(value.dtype), v_blk, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
@@ -327,13 +331,10 @@ def _forward(cfg: BlocksparseXlaConfig, query, key, value, softmax_aux, aux: _Au
         l = jnp.zeros((B, Hq, Sq), jnp.float32)
         acc = jnp.zeros((B, Sq, Hq, Dv), jnp.float32)
 
-    seen = l > 0
-    m_ref = jnp.where(seen, m, 0.0)
-    lse = jnp.where(seen, m_ref + jnp.log(jnp.where(seen, l, 1.0)), _NEG_INF)
+    sink_lse = None
     if softmax_aux is not None:
-        sink_lse = jax.nn.logsumexp(_sink_matrix(cfg, softmax_aux, Hq), axis=-1)   # [Hq]
-        lse = jnp.logaddexp(lse, sink_lse[None, :, None])                 # never -inf: sinks are finite
-    norm = jnp.where(seen, jnp.exp(m_ref - jnp.where(seen, lse, 0.0)), 0.0)         # [B, Hq, Sq]
+        sink_lse = sink_logsumexp(_sink_matrix(cfg, softmax_aux, Hq))[None, :, None]   # [1, Hq, 1]
+    lse, norm = finish_rows(m * unit, l, sink_lse)                        # [B, Hq, Sq] each
     out = (acc * norm.transpose(0, 2, 1)[..., None]).astype(query.dtype)
     return out, lse
 
@@ -379,7 +380,7 @@ def _backward(cfg: BlocksparseXlaConfig, query, key, value, softmax_aux, aux: _A
             kb, valid = xs
             k_blk, v_blk = _gather_blocks(bucket, k5, kb), _gather_blocks(bucket, v5, kb)
             s, ok, tanh = _tile_logits(cfg, bucket, q_rows, row_tok, tokens, k_blk, kb, valid)
-            p = jnp.where(ok, jnp.exp(s - lse_rows), 0.0)                 # [R, Fb, Fh, Fg, bq, bk]
+            p = jnp.where(ok, exp_nonpositive(s - lse_rows), 0.0)                 # [R, Fb, Fh, Fg, bq, bk]
             dp = jnp.einsum("rbhgqd,rbhkd->rbhgqk", do_rows, v_blk, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             dv_blk = jnp.einsum("rbhgqk,rbhgqd->rbhkd", p.astype(dout.dtype), do_rows, precision=cfg.precision,
@@ -411,7 +412,7 @@ def _backward(cfg: BlocksparseXlaConfig, query, key, value, softmax_aux, aux: _A
     if softmax_aux is not None:
         # d lse / d sink = p_sink = exp(sink - lse); out depends on the sinks only through lse.
         sinks = _sink_matrix(cfg, softmax_aux, Hq)                        # [Hq, n]
-        p_sink = jnp.exp(sinks[None, :, None, :] - lse[..., None])        # [B, Hq, Sq, n]
+        p_sink = sink_probability(sinks[None, :, None, :], lse[..., None])  # [B, Hq, Sq, n]
         d_sinks = _sink_grad_to_layout(cfg, -jnp.einsum("bhqn,bhq->hn", p_sink, delta), softmax_aux)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), d_sinks
 

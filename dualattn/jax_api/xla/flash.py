@@ -40,7 +40,8 @@ from jax import lax
 from ...options import FlashOptions
 from .._vma import vary_like
 from ...validation import check_flash_args, dtype_name, INT_DTYPES
-from ..mask import dropout_keep, position_mask
+from ..mask import (dropout_keep, exp_nonpositive, finish_rows, position_mask, score_unit, segment_ids_as_kernel_dtype,
+                    sink_logsumexp, sink_probability, varlen_lengths, varlen_tokens)
 
 __all__ = ["XlaConfig", "XlaGrads", "flash_attention_xla", "flash_attention_backward_xla",
            "flash_attention_varlen_xla"]
@@ -166,19 +167,21 @@ def _positions(aux: _Aux, dims: _Dims, q_start, k_start):
 
 
 def _tile_logits(cfg: XlaConfig, dims: _Dims, aux: _Aux, bias, q_tile, k_tile, q_start, k_start,
-                 q_first, k_first, *, mask_duplicate_rows: bool):
+                 q_first, k_first, *, mask_duplicate_rows: bool, unit: float = 1.0):
     """Logits of one tile and where they may attend.
 
     q_tile (B, bq, Hkv, G, D), k_tile (B, bk, Hkv, D).  q_first / k_first: first row / column that
     belongs to this block (earlier ones are duplicates of the previous block when it was shifted).
     Returns s (B, Hkv, G, bq, bk) float32 after scale, bias and soft cap (not yet masked), the mask
     (broadcastable to s) and tanh(s_pre_cap / cap) for the backward (None without soft cap).
+    unit: a factor the caller applies itself (score_unit): s is then q.k * scale / unit.
     """
     opts = cfg.options
     bq, bk = dims.block_q, dims.block_k
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile, precision=cfg.precision,
                    preferred_element_type=cfg.logits_dtype).astype(jnp.float32)
-    s = s * opts.softmax_scale                                           # [B, Hkv, G, bq, bk]
+    if unit != opts.softmax_scale:
+        s = s * opts.softmax_scale                                       # [B, Hkv, G, bq, bk]
     if bias is not None:
         s = s + _map_tile(bias, dims, q_start, k_start).astype(jnp.float32)
     tanh = None
@@ -305,9 +308,10 @@ def _forward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux):
     B, Sq, Hkv, G, Dv = dims.batch, dims.seqlen_q, dims.heads_kv, dims.group, dims.head_dim_v
     bq, bk = dims.block_q, dims.block_k
     q5 = query.reshape(B, Sq, Hkv, G, dims.head_dim)                     # GQA without repeating K/V
+    unit = score_unit(cfg.options, bias is not None)
     sink_lse = None
     if softmax_aux is not None:
-        sink_lse = jax.nn.logsumexp(_sink_matrix(cfg, softmax_aux, dims.heads_q), axis=-1)
+        sink_lse = sink_logsumexp(_sink_matrix(cfg, softmax_aux, dims.heads_q))
         sink_lse = sink_lse.reshape(1, Hkv, G, 1)
 
     def q_step(qb, carry):
@@ -316,14 +320,14 @@ def _forward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux):
         q_tile = _rows(q5, q_start, bq, 1)                               # [B, bq, Hkv, G, D]
 
         def k_step(kb, k_start, state):
-            m, l, acc = state
+            m, l, acc = state                                            # m: the running max, in `unit`s
             s, ok, _ = _tile_logits(cfg, dims, aux, bias, q_tile, _rows(key, k_start, bk, 1),
-                                    q_start, k_start, q_start, kb * bk, mask_duplicate_rows=False)
+                                    q_start, k_start, q_start, kb * bk, mask_duplicate_rows=False, unit=unit)
             s = jnp.where(ok, s, _NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))                       # [B, Hkv, G, bq]
             m_ref = jnp.where(m_new == _NEG_INF, 0.0, m_new)             # no (-inf) - (-inf)
-            p = jnp.exp(s - m_ref[..., None])
-            alpha = jnp.exp(m - m_ref)
+            p = exp_nonpositive((s - m_ref[..., None]) * unit)
+            alpha = jnp.exp((m - m_ref) * unit)
             l = alpha * l + p.sum(axis=-1)
             drop = _tile_dropout(cfg, dims, aux, q_start, k_start)
             if drop is not None:
@@ -336,12 +340,7 @@ def _forward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux):
         init = vary_like((jnp.full((B, Hkv, G, bq), _NEG_INF, jnp.float32), jnp.zeros((B, Hkv, G, bq), jnp.float32),
                           jnp.zeros((B, Hkv, G, bq, Dv), jnp.float32)), query, key, value)
         m, l, acc = _k_block_loop(cfg, dims, aux, q_start, k_step, init)
-        seen = l > 0
-        m_ref = jnp.where(seen, m, 0.0)
-        lse_tile = jnp.where(seen, m_ref + jnp.log(jnp.where(seen, l, 1.0)), _NEG_INF)
-        if sink_lse is not None:
-            lse_tile = jnp.logaddexp(lse_tile, sink_lse)                 # never -inf: sinks are finite
-        norm = jnp.where(seen, jnp.exp(m_ref - jnp.where(seen, lse_tile, 0.0)), 0.0)
+        lse_tile, norm = finish_rows(m * unit, l, sink_lse)
         o = (acc * norm[..., None]).astype(query.dtype)                  # [B, Hkv, G, bq, Dv]
         out = lax.dynamic_update_slice_in_dim(out, o.transpose(0, 3, 1, 2, 4), q_start, axis=1)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_tile, q_start, axis=3)
@@ -388,7 +387,7 @@ def _backward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux, o
             v_tile = _rows(value, k_start, bk, 1)
             s, ok, tanh = _tile_logits(cfg, dims, aux, bias, q_tile, k_tile, q_start, k_start,
                                        qb * bq, kb * bk, mask_duplicate_rows=True)
-            p = jnp.where(ok, jnp.exp(s - lse_tile), 0.0)                # [B, Hkv, G, bq, bk]
+            p = jnp.where(ok, exp_nonpositive(s - lse_tile), 0.0)        # [B, Hkv, G, bq, bk]
             dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_tile, v_tile, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             drop = _tile_dropout(cfg, dims, aux, q_start, k_start)
@@ -424,7 +423,7 @@ def _backward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux, o
     if softmax_aux is not None:
         # d lse / d sink = p_sink = exp(sink - lse); out depends on the sinks only through lse.
         sinks = _sink_matrix(cfg, softmax_aux, Hq)                       # [Hq, n]
-        p_sink = jnp.exp(sinks[None, :, None, :] - lse[..., None])       # [B, Hq, Sq, n]
+        p_sink = sink_probability(sinks[None, :, None, :], lse[..., None])   # [B, Hq, Sq, n]
         d_sinks = _sink_grad_to_layout(cfg, -jnp.einsum("bhqn,bhq->hn", p_sink, delta), softmax_aux)
     return (dq.reshape(B, Sq, Hq, D).astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype),
             dbias, d_sinks)
@@ -503,7 +502,7 @@ def _seed_u32(dropout_seed, options: FlashOptions):
 
 
 def _int_rows(name, x, batch, length):
-    """(B, S), (1, S) or (S,) integer array -> (B, S) int32."""
+    """(B, S), (1, S) or (S,) integer array -> (B, S), int32 unless its values need 64 bits."""
     if x is None:
         return None
     x = jnp.asarray(x)
@@ -511,7 +510,8 @@ def _int_rows(name, x, batch, length):
         raise TypeError(f"{name} must be an integer array, got {dtype_name(x)}")
     if x.ndim not in (1, 2) or x.shape[-1] != length or (x.ndim == 2 and x.shape[0] not in (1, batch)):
         raise ValueError(f"{name} must have shape ({batch}, {length}), got {tuple(x.shape)}")
-    return jnp.broadcast_to(x.reshape(-1, length), (batch, length)).astype(jnp.int32)
+    x = jnp.broadcast_to(x.reshape(-1, length), (batch, length))
+    return x if x.dtype.itemsize == 8 else x.astype(jnp.int32)
 
 
 def _prepare(query, key, value, options, bias, attention_mask, q_segment_ids, kv_segment_ids, q_positions,
@@ -525,6 +525,8 @@ def _prepare(query, key, value, options, bias, attention_mask, q_segment_ids, kv
         q_segment_ids = kv_segment_ids
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = segment_ids_as_kernel_dtype(q_segment_ids, kv_segment_ids)
     aux = _Aux(attention_mask=attention_mask,
                q_segment_ids=_int_rows("q_segment_ids", q_segment_ids, B, Sq),
                kv_segment_ids=_int_rows("kv_segment_ids", kv_segment_ids, B, Sk),
@@ -601,15 +603,6 @@ def flash_attention_backward_xla(query, key, value, out, lse, dout, *, options: 
     return XlaGrads(*_backward_jit(cfg, query, key, value, bias, softmax_aux, aux, out, lse, dout, dlse))
 
 
-def _varlen_tokens(cu_seqlens, total):
-    """Per packed token: sequence index (clipped), local index, and whether it lies in a sequence."""
-    t = jnp.arange(total, dtype=jnp.int32)
-    n = cu_seqlens.shape[0] - 1
-    seq = jnp.clip(jnp.searchsorted(cu_seqlens[1:], t, side="right"), 0, n - 1).astype(jnp.int32)
-    inside = (t >= cu_seqlens[0]) & (t < cu_seqlens[-1])
-    return seq, t - cu_seqlens[seq], inside
-
-
 def flash_attention_varlen_xla(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                options: FlashOptions, softmax_aux=None, dropout_seed=None, return_lse=False,
                                block_q=512, block_k=512, precision=None, logits_dtype=jnp.float32):
@@ -618,8 +611,9 @@ def flash_attention_varlen_xla(query, key, value, cu_seqlens_q, cu_seqlens_k, ma
     query (total_q, Hq, D), key/value (total_k, Hkv, D/Dv), int32 cu_seqlens (n_seqs + 1,).  Runs as one
     batch of length total with segment ids = sequence index and per-sequence positions (bottom-right
     aligned per sequence: q_pos = i_local + len_k - len_q, k_pos = j_local); dropout hashes (sequence
-    index, head, i_local, j_local).  max_seqlen_q/k are only validated (the tiles and the skipping of
-    cross-sequence tiles derive from cu_seqlens).  Tokens outside [cu[0], cu[-1]) are fully masked.
+    index, head, i_local, j_local).  Sequences are what the Triton kernels run (mask.varlen_tokens): a
+    table is made non-decreasing and clipped to the packed tokens, each sequence cut at max_seqlen; tokens
+    outside every sequence are fully masked (output 0, lse -inf).
     The other arguments are those of `flash_attention_xla`.
 
     Returns out (total_q, Hq, Dv), or (out, lse) with lse float32 (Hq, total_q).
@@ -627,10 +621,10 @@ def flash_attention_varlen_xla(query, key, value, cu_seqlens_q, cu_seqlens_k, ma
     check_flash_args(query, key, value, softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     total_q, total_k = query.shape[0], key.shape[0]
-    seq_q, i_local, in_q = _varlen_tokens(cu_seqlens_q, total_q)
-    seq_k, j_local, in_k = _varlen_tokens(cu_seqlens_k, total_k)
-    len_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    len_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    seq_q, i_local, in_q = varlen_tokens(cu_seqlens_q, total_q, max_seqlen_q)
+    seq_k, j_local, in_k = varlen_tokens(cu_seqlens_k, total_k, max_seqlen_k)
+    len_q = varlen_lengths(cu_seqlens_q, total_q, max_seqlen_q)
+    len_k = varlen_lengths(cu_seqlens_k, total_k, max_seqlen_k)
     seed = _seed_u32(dropout_seed, options)
     aux = _Aux(q_segment_ids=jnp.where(in_q, seq_q, -1)[None],
                kv_segment_ids=jnp.where(in_k, seq_k, -2)[None],

@@ -27,7 +27,7 @@ from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, P
 def flash_bwd_preprocess_kernel(
     O, DO, LSE, DLSE, SINKS, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-    seqlen_q, num_heads_q,
+    seqlen_q, total_q, num_heads_q,
     DELTA, DSINKS_PARTIAL,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SINKS_PER_HEAD: tl.constexpr,
@@ -41,7 +41,8 @@ def flash_bwd_preprocess_kernel(
     # the strides: specialising them per launcher (torch does, jax-triton cannot) gave delta,
     # hence dQ and dK, different last bits in the two frameworks.
     stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
-    q_start, _, seqlen_q, _ = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_Q, seqlen_q, seqlen_q, IS_VARLEN)
+    q_start, _, seqlen_q, _ = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_Q, seqlen_q, seqlen_q, total_q,
+                                              total_q, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -62,7 +63,12 @@ def flash_bwd_preprocess_kernel(
         lse = tl.load(LSE + lse_row + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         offs_s = tl.arange(0, BLOCK_SINKS)
         sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS, other=0.0).to(tl.float32)
-        p_sink = tl.exp2((sinks[None, :] - lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_SINKS]
+        # exp(sink - lse), with the infinite cases decided first: a -inf sink has probability 0 (also in a
+        # row whose lse is -inf), a +inf sink 1 (its row's lse is +inf: the forward's `saturated`).
+        diff = sinks[None, :] - lse[:, None]
+        diff = tl.where(sinks[None, :] == float("-inf"), float("-inf"),
+                        tl.where(sinks[None, :] == lse[:, None], 0.0, diff))
+        p_sink = tl.exp2(diff * LOG2E)  # [BLOCK_M, BLOCK_SINKS]
         dsinks = reduce_sum(-p_sink * delta[:, None], 0)
         # Deterministic: one partial row per program, summed by the front end.
         out = (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * NUM_SINKS
@@ -192,7 +198,7 @@ def flash_bwd_dkdv_kernel(
     seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     pos_stride_qb, pos_stride_kb,
-    seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
+    seqlen_q, seqlen_k, total_q, total_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     dbias_stride_b, dbias_stride_h, dbias_stride_s, num_work,
@@ -240,7 +246,8 @@ def flash_bwd_dkdv_kernel(
                                          BLOCK_SPARSE, HAS_LEFT != HAS_RIGHT, HAS_LEFT, 4, work, num_work, num_tiles,
                                          PERSISTENT)
         # (This tile's batch's lengths under new names: a loop may not retype the kernel's arguments.)
-        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN)
+        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                         total_q, total_k, IS_VARLEN)
         n0 = pid_n * BLOCK_N
         if WARP_SPECIALIZE:  # (no test around a warp-specialised loop: see forward.py)
             in_sequence = True
@@ -387,7 +394,7 @@ def flash_bwd_dq_kernel(
     seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     pos_stride_qb, pos_stride_kb,
-    seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
+    seqlen_q, seqlen_k, total_q, total_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale,
     stride_dqb, stride_dqs, stride_dqh, num_work,
     DQ, DESC_SCRATCH,
@@ -430,7 +437,8 @@ def flash_bwd_dq_kernel(
         pid_bh = b * num_heads_q + h
         h_kv = h // GROUP_SIZE
         # (This tile's batch's lengths under new names: a loop may not retype the kernel's arguments.)
-        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN)
+        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                         total_q, total_k, IS_VARLEN)
         m0 = pid_m * BLOCK_M
         if WARP_SPECIALIZE:  # (no test around a warp-specialised loop: see forward.py)
             in_sequence = True

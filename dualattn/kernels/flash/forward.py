@@ -108,7 +108,7 @@ def flash_fwd_kernel(
     seg_stride_qb, seg_stride_kb,
     sparse_stride_b, sparse_stride_h, sparse_kstride_b, sparse_kstride_h, num_q_blocks, num_k_blocks,
     pos_stride_qb, pos_stride_kb,
-    seqlen_q, seqlen_k, num_heads_q, diag_shift, window_left, window_right,
+    seqlen_q, seqlen_k, total_q, total_k, num_heads_q, diag_shift, window_left, window_right,
     sm_scale, softcap, dropout_threshold, dropout_scale, num_work,
     O, LSE, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -154,7 +154,8 @@ def flash_fwd_kernel(
         pid_bh = b * num_heads_q + h
         h_kv = h // GROUP_SIZE
         # (This tile's batch's lengths under new names: a loop may not retype the kernel's arguments.)
-        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN)
+        q_start, k_start, q_len, k_len = sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                         total_q, total_k, IS_VARLEN)
         m0 = pid_m * BLOCK_M
         # A packed (varlen) grid has tiles past a sequence's end.  (The warp-specialised variant
         # has no such test: Triton 3.6's pass fails on a branch around its loop, and its grid,
@@ -205,20 +206,28 @@ def flash_fwd_kernel(
                 O_HEAD = RESUME_O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
                 LSE_HEAD = RESUME_LSE + b64 * stride_lse_b + h * stride_lse_h + q_start
                 lse0 = tl.load(LSE_HEAD + offs_m, mask=offs_m < q_len, other=float("-inf"))
-                seen = lse0 != float("-inf")
+                # A row whose lse is +inf (an infinite sink took it whole) stays so: `saturated` below.
+                saturated = lse0 == float("inf")
+                seen = (lse0 != float("-inf")) & (lse0 != float("inf"))
                 m_i = tl.where(seen, lse0 * LOG2E, float("-inf"))
                 l_i = tl.where(seen, 1.0, 0.0)
                 acc = tl.load(O_HEAD + offs_m[:, None] * stride_os + offs_dv[None, :],
                               mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < HEAD_DIM_V),
                               other=0.0).to(tl.float32)
             elif NUM_SINKS > 0:
-                # Sinks join every row's denominator: start the online softmax from them.
+                # Sinks join every row's denominator: start the online softmax from them.  Sinks of -inf
+                # join nothing; a sink of +inf takes the whole softmax (output 0, lse +inf: `saturated`,
+                # applied after the loop, which meanwhile runs as if there were no such sink).
                 offs_s = tl.arange(0, BLOCK_SINKS)
                 sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS,
                                 other=float("-inf")).to(tl.float32) * LOG2E
                 sink_max = reduce_max(sinks, 0)
-                m_i = tl.full([BLOCK_M], 0.0, tl.float32) + sink_max
-                l_i = tl.full([BLOCK_M], 0.0, tl.float32) + reduce_sum(tl.exp2(sinks - sink_max), 0)
+                finite = (sink_max != float("-inf")) & (sink_max != float("inf"))
+                sink_ref = tl.where(finite, sink_max, 0.0)
+                saturated = (tl.full([BLOCK_M], 0.0, tl.float32) + sink_max) == float("inf")
+                m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.where(finite, sink_max, float("-inf"))
+                l_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.where(
+                    finite, reduce_sum(tl.exp2(sinks - sink_ref), 0), 0.0)
                 acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
             else:
                 m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -266,6 +275,9 @@ def flash_fwd_kernel(
             empty = l_i == 0.0
             out = acc / tl.where(empty, 1.0, l_i)[:, None]
             lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+            if NUM_SINKS > 0 or (SPLIT_BAND and not WARP_SPECIALIZE):
+                out = tl.where(saturated[:, None], 0.0, out)
+                lse = tl.where(saturated, float("inf"), lse)
             O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
             # After a warp-specialised loop only TMA stores write every row (pointer stores left rows
             # 64-127 of each tile unwritten on the H100 with Triton 3.6: benchmarks/NOTES.md step 18).

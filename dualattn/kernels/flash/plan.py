@@ -194,6 +194,8 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("pos_stride_qb", strides["q_positions"][0] if "q_positions" in strides else 0),
         ("pos_stride_kb", strides["kv_positions"][0] if "kv_positions" in strides else 0),
         ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
+        # (varlen: the packed token counts every sequence bound is clamped to: rules.sequence_bounds)
+        ("total_q", shapes.total_q), ("total_k", shapes.total_k),
         ("num_heads_q", shapes.heads_q), ("diag_shift", int(diag_shift)),
         ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
         ("sm_scale", float(options.softmax_scale)), ("softcap", float(options.logits_soft_cap or 1.0)),
@@ -658,8 +660,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
         return Launch(
             module="flash.forward", kernel="flash_fwd_kernel", grid=grid,
             inputs=FWD_INPUTS + tuple(name for name, _ in FWD_RESUME), scalars=scalars + (("num_work", num_work),),
-            outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
-                     desc_scratch(grid, tma_loads)),
+            outputs=(*_forward_outputs(shapes), desc_scratch(grid, tma_loads)),
             constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", tma_loads),
                                      ("WARP_SPECIALIZE", warp_specialized),
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0),
@@ -674,6 +675,13 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
     # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
     return launch(config.fwd, _use_tma(tma, shapes, constexprs) and config.fwd.num_stages != 2, False)
+
+
+def _forward_outputs(shapes: FlashShapes) -> Tuple[Output, Output]:
+    """out and lse.  Varlen rows in no sequence (past cu_seqlens[-1], or past max_seqlen_q in a sequence
+    a traced table made longer) are written by no program: filled beforehand with 0 and lse -inf."""
+    return (Output("out", out_shape(shapes), "like:query", zeroed=shapes.varlen),
+            Output("lse", _lse_shape(shapes), "float32", zeroed=shapes.varlen, fill=float("-inf")))
 
 
 BWD_KERNEL_INPUTS = FWD_INPUTS + ("dout", "lse", "delta")
@@ -763,7 +771,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         grid=(n_m_blocks, shapes.batch * shapes.heads_q, 1),
         inputs=("out", "dout", "lse", "dlse", "softmax_aux", "cu_seqlens_q"),
         scalars=tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b",
-                                                "stride_lse_h", "seqlen_q", "num_heads_q")),
+                                                "stride_lse_h", "seqlen_q", "total_q", "num_heads_q")),
         # Placeholders the kernels never write (no sinks, no bias) are neither zero-filled nor, in
         # torch, allocated: host time that counts at short sequences (NOTES steps 17 and 28).
         outputs=(Output("delta", lse_shape, "float32"),
@@ -822,7 +830,9 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         scalars=scalars + tuple(zip(("stride_dkb", "stride_dks", "stride_dkh"), grad_strides("dk", k_shape)))
         + tuple(zip(("stride_dvb", "stride_dvs", "stride_dvh"), grad_strides("dv", v_shape)))
         + tuple(zip(("dbias_stride_b", "dbias_stride_h", "dbias_stride_s"), dbias_strides)) + (("num_work", num_work),),
-        outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
+        # (varlen: rows in no sequence get zero gradients, as _forward_outputs' rows get zero output)
+        outputs=(Output("dkey", k_shape, "like:key", zeroed=varlen),
+                 Output("dvalue", v_shape, "like:value", zeroed=varlen),
                  Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias, placeholder=not shapes.has_bias),
                  desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
@@ -840,7 +850,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         inputs=BWD_KERNEL_INPUTS,
         scalars=scalars + tuple(zip(("stride_dqb", "stride_dqs", "stride_dqh"), grad_strides("dq", q_shape)))
         + (("num_work", num_work),),
-        outputs=(Output("dquery", q_shape, "like:query"), desc_scratch(grid, use_tma or bool(ws_dq))),
+        outputs=(Output("dquery", q_shape, "like:query", zeroed=varlen), desc_scratch(grid, use_tma or bool(ws_dq))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dq)),
                                  ("WARP_SPECIALIZE", bool(ws_dq)), ("EDGES_IN_LOOP", not ws_dq and edges),
                                  ("PERSISTENT", dq_persistent)),

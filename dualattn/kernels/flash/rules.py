@@ -352,7 +352,7 @@ COMMON_INTS = [
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
     "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "bias_stride_b",
     "bias_stride_h", "bias_stride_s", "mask_stride_b", "mask_stride_h", "mask_stride_s", "seg_stride_qb",
-    "seg_stride_kb", "seqlen_q", "seqlen_k", "num_heads_q", "diag_shift",
+    "seg_stride_kb", "seqlen_q", "seqlen_k", "total_q", "total_k", "num_heads_q", "diag_shift",
     "window_left", "window_right", "dropout_threshold", "sparse_stride_b", "sparse_stride_h", "sparse_kstride_b",
     "sparse_kstride_h", "num_q_blocks", "num_k_blocks", "pos_stride_qb", "pos_stride_kb",
 ]
@@ -360,7 +360,8 @@ FWD_INTS = COMMON_INTS + ["num_work"]
 BWD_DKDV_INTS = COMMON_INTS + ["stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh",
                                "dbias_stride_b", "dbias_stride_h", "dbias_stride_s", "num_work"]
 BWD_DQ_INTS = COMMON_INTS + ["stride_dqb", "stride_dqs", "stride_dqh", "num_work"]
-PREPROCESS_INTS = ["stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "seqlen_q", "num_heads_q"]
+PREPROCESS_INTS = ["stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "seqlen_q", "total_q",
+                   "num_heads_q"]
 DROPOUT_MASK_INTS = ["seqlen_q", "seqlen_k", "num_heads", "dropout_seed", "dropout_threshold"]
 ONE_PASS_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                  "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "stride_dkb",
@@ -391,15 +392,24 @@ def aligned(stride_b, stride_s, stride_h, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """(q_start, k_start, seqlen_q, seqlen_k) of sequence b: packed offsets for varlen, else 0."""
+def sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k) of sequence b: packed offsets for varlen, else 0.
+
+    Varlen tables may be traced values no host ever checked, so every bound is clamped to the
+    buffers: a sequence is [cu[b], cu[b+1]) clipped to [0, total) (empty if reversed) and at most
+    max_seqlen long (the seqlen arguments, which size the grid).  Rows outside every clamped
+    sequence are left to the launcher's fill (0, lse -inf): no read or write leaves the buffers,
+    whatever the values.
+    """
     q_start = 0
     k_start = 0
     if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + b)
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+        q_start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b), 0), total_q)
+        q_end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b + 1), q_start), total_q)
+        seqlen_q = tl.minimum(q_end - q_start, seqlen_q)
+        k_start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b), 0), total_k)
+        k_end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b + 1), k_start), total_k)
+        seqlen_k = tl.minimum(k_end - k_start, seqlen_k)
     return q_start, k_start, seqlen_q, seqlen_k
 
 

@@ -1,0 +1,246 @@
+"""Hostile but valid inputs: no crash and no silent wrong answer, in every API and backend they touch.
+
+Traced varlen tables that run past the packed tensors, integer widths (masks past 8 bits, ids past
+32 bits), infinite sinks, rows in no varlen sequence, hand-made SparseMask lists, flags of the wrong
+type, huge scales and windows, empty dimensions, and arguments of the wrong kind.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dualattn.jax_api as dj
+import dualattn.torch_api as dt
+from dualattn import SparseMask, masks
+from reference import assert_close_rel, reference_attention, reference_varlen
+
+H, D = 2, 32
+
+
+def _qkv(rng, b, sq, sk, hq=H, hkv=H, d=D):
+    return (torch.from_numpy(rng.standard_normal((b, sq, hq, d)).astype(np.float32)),
+            torch.from_numpy(rng.standard_normal((b, sk, hkv, d)).astype(np.float32)),
+            torch.from_numpy(rng.standard_normal((b, sk, hkv, d)).astype(np.float32)))
+
+
+def _jax(*tensors):
+    return tuple(jnp.asarray(t.numpy()) for t in tensors)
+
+
+# ----------------------------------------------------------------------------- varlen tables
+
+# Tables no host checks (traced): past the packed tokens, decreasing, negative, longer than max_seqlen.
+_BAD_TABLES = {"past-the-end": [0, 10, 5000, 20], "decreasing": [0, 30, 12, 40], "negative": [-50, 10, 20],
+               "longer-than-max": [0, 30, 40]}
+
+
+def _run_as_kernels_do(cu, total, max_seqlen):
+    """The sequences a bad table runs as (jax_api.mask.varlen_tokens): non-decreasing, clipped, cut."""
+    c = np.clip(np.maximum.accumulate(np.asarray(cu)), 0, total)
+    return [(int(a), int(a + min(b - a, max_seqlen))) for a, b in zip(c[:-1], c[1:])]
+
+
+@pytest.mark.parametrize("table", list(_BAD_TABLES), ids=list(_BAD_TABLES))
+def test_traced_cu_seqlens_never_leave_the_buffers(rng, table):
+    total, max_seqlen = 40, 16
+    q, k, v = (t[0] for t in _qkv(rng, 1, total, total))
+    cu = torch.tensor(_BAD_TABLES[table], dtype=torch.int32)
+    run = torch.compile(lambda q, k, v, c: dt.flash_attn_varlen_func(q, k, v, c, c, max_seqlen, max_seqlen,
+                                                                   causal=True, return_lse=True), fullgraph=True)
+    q.requires_grad_(True)
+    out, lse = run(q, k, v, cu)
+    out.sum().backward()
+    # What it means: attention inside each sequence the kernels ran; 0 and lse -inf elsewhere.
+    spans = _run_as_kernels_do(cu.tolist(), total, max_seqlen)
+    want = torch.zeros_like(out, dtype=torch.float64)
+    want_lse = torch.full(lse.shape, float("-inf"), dtype=torch.float64)
+    covered = torch.zeros(total, dtype=torch.bool)
+    for a, b in spans:
+        if b > a:
+            o, l = reference_attention(q[None, a:b].detach(), k[None, a:b], v[None, a:b], causal=True)
+            want[a:b], want_lse[:, a:b], covered[a:b] = o[0], l[0], True
+    assert_close_rel(out, want, 1e-5, "out")
+    assert torch.equal(torch.isinf(lse), ~covered.expand_as(lse))
+    assert torch.isfinite(q.grad).all() and not q.grad[~covered].any()
+    # The same table traced by jax.jit, on the triton and xla backends.
+    for backend in ("triton", "xla"):
+        fn = jax.jit(lambda q, k, v, c: dj.flash_attention_varlen(q, k, v, c, c, max_seqlen, max_seqlen, causal=True,
+                                                                 return_lse=True, backend=backend))
+        out_j, lse_j = fn(*_jax(q.detach(), k, v), jnp.asarray(cu.numpy()))
+        assert_close_rel(np.asarray(out_j), want, 1e-5, f"jax {backend} out")
+        assert np.array_equal(np.isinf(np.asarray(lse_j)), ~covered.expand_as(lse).numpy())
+
+
+def test_rows_past_the_last_sequence_are_zero(rng):
+    """cu_seqlens[-1] < total is valid: the rows after it belong to no sequence."""
+    q, k, v = (t[0] for t in _qkv(rng, 1, 50, 50))
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    want, want_lse = reference_varlen(q, k, v, cu, cu)
+    outs = {"torch": dt.flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, return_lse=True)}
+    for backend in ("triton", "xla"):
+        outs[backend] = dj.flash_attention_varlen(*_jax(q, k, v, cu, cu), 20, 20, return_lse=True, backend=backend)
+    for name, (out, lse) in outs.items():
+        out, lse = np.asarray(out), np.asarray(lse)
+        assert not out[30:].any(), name
+        assert np.all(lse[:, 30:] == -np.inf), name
+        assert_close_rel(out[:30], want[:30], 1e-5, name)
+
+
+# ----------------------------------------------------------------------------- integer widths
+
+def test_integer_mask_is_nonzero_not_truncated(rng):
+    q, k, v = _qkv(rng, 1, 24, 40)
+    mask = torch.from_numpy(rng.random((1, 1, 24, 40)) < 0.7)
+    wide = mask.to(torch.int32) * 256        # 256 and 512 truncate to 0 in 8 bits
+    wide[..., ::3] *= 2
+    want = dt.flash_attention(q, k, v, attention_mask=mask)
+    assert torch.equal(dt.flash_attention(q, k, v, attention_mask=wide), want)
+    for backend in ("triton", "xla", "pallas"):
+        out = dj.flash_attention(*_jax(q, k, v), attention_mask=jnp.asarray(wide.numpy()), backend=backend)
+        assert_close_rel(np.asarray(out), want, 1e-5, backend)
+
+
+def test_segment_ids_past_32_bits_stay_distinct(rng):
+    q, k, v = _qkv(rng, 1, 32, 32)
+    ids = torch.zeros(1, 32, dtype=torch.int64)
+    ids[:, 16:] = 2 ** 32                    # equal to 0 in 32 bits
+    want = reference_attention(q, k, v, q_segment_ids=ids)[0]
+    assert_close_rel(dt.flash_attention(q, k, v, q_segment_ids=ids), want, 1e-5, "torch int64")
+    big = torch.full((1, 32), 2 ** 63 - 1, dtype=torch.int64)
+    big[:, 16:] = -1
+    assert_close_rel(dt.flash_attention(q, k, v, q_segment_ids=big), want, 1e-5, "torch int64 extremes")
+    # uint32 ids in jax (no 64-bit arrays without jax_enable_x64): 2**31 must not alias anything
+    ids_u32 = jnp.asarray(np.where(np.arange(32) < 16, 0, 2 ** 31).astype(np.uint32)[None])
+    for backend in ("triton", "xla", "pallas"):
+        out = dj.flash_attention(*_jax(q, k, v), q_segment_ids=ids_u32, backend=backend)
+        assert_close_rel(np.asarray(out), want, 1e-5, f"jax {backend} uint32")
+    with jax.enable_x64(True):
+        ids_64 = jnp.asarray(ids.numpy())
+        for backend in ("xla", "pallas"):
+            out = dj.flash_attention(*_jax(q, k, v), q_segment_ids=ids_64, backend=backend)
+            assert_close_rel(np.asarray(out), want, 1e-5, f"jax {backend} int64")
+
+
+# ----------------------------------------------------------------------------- infinite sinks
+
+@pytest.mark.parametrize("value", [float("-inf"), float("inf")], ids=["minus-inf", "plus-inf"])
+def test_infinite_sinks(rng, value):
+    """A -inf sink joins nothing (as no sink); a +inf sink takes every row: output 0, lse +inf.
+    Finite gradients either way (also with a finite sink beside it)."""
+    q, k, v = _qkv(rng, 1, 24, 24)
+    sinks = torch.tensor([[value, 0.5]] * H)    # (Hq, 2): each head has both
+    q.requires_grad_(True)
+    out, lse = dt.flash_attention(q, k, v, softmax_aux=sinks, causal=True, return_lse=True)
+    (out.sum() + lse.clamp(-1e4, 1e4).sum()).backward()
+    if value < 0:
+        want, want_lse = reference_attention(q.detach(), k, v, softmax_aux=sinks[:, 1:], causal=True)
+        assert_close_rel(out, want, 1e-5, "out")
+        assert_close_rel(lse, want_lse, 1e-5, "lse")
+    else:
+        assert not out.any() and torch.all(lse == float("inf"))
+    assert torch.isfinite(q.grad).all()
+    qj, kj, vj = _jax(q.detach(), k, v)
+    for backend in ("triton", "xla", "pallas"):
+        def loss(q, s):
+            o, l = dj.flash_attention(q, kj, vj, softmax_aux=s, causal=True, return_lse=True, backend=backend)
+            return o.sum() + jnp.clip(l, -1e4, 1e4).sum(), (o, l)
+        (g_q, g_s), (o, l) = jax.grad(loss, argnums=(0, 1), has_aux=True)(qj, jnp.asarray(sinks.numpy()))
+        assert_close_rel(np.asarray(o), out.detach(), 1e-5, f"{backend} out")
+        assert np.array_equal(np.asarray(l) == np.inf, (lse == float("inf")).numpy()), backend
+        assert np.isfinite(np.asarray(g_q)).all() and np.isfinite(np.asarray(g_s)).all(), backend
+
+
+# ----------------------------------------------------------------------------- huge values
+
+@pytest.mark.parametrize("case", ["scale-1e30", "query-1e20"])
+def test_huge_scores_stay_finite_in_every_backend(rng, case):
+    q, k, v = _qkv(rng, 1, 32, 32)
+    scale = 1e30 if case == "scale-1e30" else None
+    if case == "query-1e20":
+        q[0, 3, 0, 0] = 1e20
+    ref, ref_lse = dt.flash_attention(q, k, v, softmax_scale=scale, return_lse=True)
+    want, want_lse = reference_attention(q, k, v, softmax_scale=scale)
+    assert_close_rel(ref, want, 1e-5, "torch")
+    for backend in ("triton", "xla", "pallas"):
+        out, lse = dj.flash_attention(*_jax(q, k, v), softmax_scale=scale, return_lse=True, backend=backend)
+        assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all(), backend
+        assert_close_rel(np.asarray(out), want, 1e-5, backend)
+        assert_close_rel(np.asarray(lse), want_lse, 1e-6, backend)
+
+
+def test_window_wider_than_int32_is_unbounded(rng):
+    q, k, v = _qkv(rng, 1, 16, 24)
+    want = dt.flash_attention(q, k, v, causal=True)
+    assert torch.equal(dt.flash_attention(q, k, v, sliding_window=(2 ** 40, 0)), want)
+    for backend in ("triton", "xla", "pallas"):
+        out = dj.flash_attention(*_jax(q, k, v), sliding_window=(2 ** 40, 0), backend=backend)
+        assert_close_rel(np.asarray(out), want, 1e-5, backend)
+
+
+@pytest.mark.parametrize("empty", ["batch", "queries", "keys"])
+def test_empty_dimensions_in_every_backend(empty):
+    b, sq, sk = {"batch": (0, 8, 8), "queries": (1, 0, 8), "keys": (1, 8, 0)}[empty]
+    q, k, v = jnp.ones((b, sq, H, D)), jnp.ones((b, sk, H, D)), jnp.ones((b, sk, H, D))
+    for backend in ("triton", "xla", "pallas"):
+        out, lse = dj.flash_attention(q, k, v, return_lse=True, backend=backend)
+        assert out.shape == (b, sq, H, D) and not np.asarray(out).any(), backend
+        assert np.all(np.asarray(lse) == -np.inf), backend
+    out = dt.flash_attention(*(torch.ones(x.shape) for x in (q, k, v)))
+    assert out.shape == (b, sq, H, D) and not out.any()
+
+
+# ----------------------------------------------------------------------------- what is rejected, and how
+
+def test_flags_must_be_bools():
+    q = torch.ones(1, 8, 1, 16)
+    calls = {
+        "torch causal": lambda: dt.flash_attention(q, q, q, causal="False"),
+        "torch return_lse": lambda: dt.flash_attention(q, q, q, return_lse="yes"),
+        "torch varlen causal": lambda: dt.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                                                 torch.tensor([0, 8], dtype=torch.int32), 8, 8, causal=1),
+        "torch sdpa is_causal": lambda: dt.scaled_dot_product_attention(q, q, q, is_causal="True"),
+        "torch blocksparse causal": lambda: dt.blocksparse_attention(q, q, q, mask_builder=masks.causal(), block_q=16,
+                                                                    block_k=16, causal="no"),
+        "jax causal": lambda: dj.flash_attention(jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)),
+                                                 jnp.ones((1, 8, 1, 16)), causal="False", backend="xla"),
+        "jax blocksparse return_lse": lambda: dj.blocksparse_attention(
+            jnp.ones((1, 16, 1, 16)), jnp.ones((1, 16, 1, 16)), jnp.ones((1, 16, 1, 16)), block_q=16, block_k=16,
+            mask_builder=masks.causal(), return_lse=None, backend="xla"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=name.split()[-1]):
+            call()
+    for seed in (True, "1", 1.5):
+        with pytest.raises(TypeError, match="dropout_seed"):
+            dt.flash_attention(q, q, q, dropout_prob=0.1, dropout_seed=seed)
+
+
+def test_wrong_kinds_of_argument_name_the_argument():
+    x, t = jnp.ones((1, 8, 1, 16)), torch.ones(1, 8, 1, 16)
+    cases = {
+        "query": lambda: dj.flash_attention([[[[1.0] * 16]]], x, x),
+        "key": lambda: dj.flash_attention(x, t, x, backend="xla"),
+        "cu_seqlens_q": lambda: dj.flash_attention_varlen(x[0], x[0], x[0], [0, 8], jnp.asarray([0, 8], jnp.int32), 8, 8),
+        "value": lambda: dj.blocksparse_attention(x, x, None, mask_builder=masks.causal(), block_q=16, block_k=16),
+        "window": lambda: masks.local(None),
+    }
+    for name, call in cases.items():
+        with pytest.raises(TypeError, match=name):
+            call()
+    with pytest.raises(TypeError, match="key"):
+        dt.blocksparse_attention(t, None, t, mask_builder=masks.causal(), block_q=16, block_k=16)
+
+
+def test_hand_made_sparse_lists_are_checked():
+    layout = SparseMask.from_block_map(np.random.default_rng(0).random((1, 2, 4, 4)) < 0.5, 32, 32)
+    bad = {"kv_indices": np.full_like(layout.kv_indices, 7), "kv_counts": layout.kv_counts + 9,
+           "q_order": np.zeros_like(layout.q_order), "q_indices": -np.ones_like(layout.q_indices),
+           "k_order": layout.k_order[..., :2]}
+    for field, value in bad.items():
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(layout, **{field: value})
