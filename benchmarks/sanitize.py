@@ -1,0 +1,126 @@
+"""Every flash kernel variant once, small, forward and backward: the workload for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize.py --only specialised
+
+Each case is a shape and option set that the launch plans send to one kernel family (portable with
+each option, edges in the loop, TMA, warp-specialised grid / persistent / split band / band in the
+loop, the Gluon forward, the one-pass backward, varlen with tables that run past the tensors,
+block-sparse).  The script prints which launches ran (kernel and its variant flags), so the log shows
+that every variant was covered, and exits 1 if an output is not finite.  `--only specialised` keeps the
+warp-specialised and Gluon cases (racecheck instruments shared memory: slow).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import dualattn.torch_api as dt
+from dualattn import SparseMask, masks
+from dualattn.torch_api import _launch
+
+# (name, specialised?, shapes and options) -- sizes chosen so plan.py picks the named variant on an H100.
+CASES = [
+    ("portable fp32 options", False, dict(b=2, s=200, h=4, hkv=2, d=80, dtype=torch.float32,
+                                          opts=dict(causal=True, logits_soft_cap=20.0, softmax_aux="head"))),
+    ("portable bias+mask+segments", False, dict(b=2, s=192, h=2, hkv=1, d=64, opts=dict(bias=True, mask=True,
+                                                                                        segments=True))),
+    ("portable dropout window", False, dict(b=1, s=300, h=2, hkv=2, d=128, opts=dict(
+        sliding_window=(64, 16), dropout_prob=0.2, dropout_seed=7))),
+    ("portable d256 sq!=sk", False, dict(b=1, s=130, sk=257, h=2, hkv=1, d=256, opts=dict(causal=True))),
+    ("edges in loop (causal, short)", False, dict(b=1, s=1024, h=1, hkv=1, d=64, opts=dict(causal=True))),
+    ("varlen with a table past the end", False, dict(varlen=[0, 100, 5000, 260], total=300, h=2, hkv=1, d=64,
+                                                     opts=dict(causal=True))),
+    ("block-sparse", False, dict(b=1, s=512, h=2, hkv=2, d=64, sparse=True)),
+    ("warp-specialised grid (sinks)", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(softmax_aux="head"))),
+    ("persistent + band in loop", True, dict(b=1, s=2048, h=16, hkv=16, d=128, opts=dict(causal=True,
+                                                                                          softmax_aux="head"))),
+    ("split band", True, dict(b=1, s=8192, h=1, hkv=1, d=128, opts=dict(causal=True, softmax_aux="head"))),
+    ("gluon forward + two-pass ws backward", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(causal=True))),
+    ("gluon forward + one-pass backward", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(causal=True))),
+    ("one-pass persistent d64", True, dict(b=2, s=4096, h=4, hkv=4, d=64, opts=dict())),
+]
+
+
+def _inputs(case, device):
+    c = dict(case)
+    dtype = c.get("dtype", torch.bfloat16)
+    opts = dict(c.get("opts", {}))
+    h, hkv, d = c["h"], c["hkv"], c["d"]
+    if "varlen" in c:
+        q = torch.randn(c["total"], h, d, device=device, dtype=dtype)
+        k, v = (torch.randn(c["total"], hkv, d, device=device, dtype=dtype) for _ in range(2))
+        return (q, k, v), opts, torch.tensor(c["varlen"], dtype=torch.int32, device=device)
+    b, s = c["b"], c["s"]
+    sk = c.get("sk", s)
+    q = torch.randn(b, s, h, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, sk, hkv, d, device=device, dtype=dtype) for _ in range(2))
+    if opts.pop("bias", False):
+        opts["bias"] = torch.randn(b, 1, s, sk, device=device, dtype=dtype)
+    if opts.pop("mask", False):
+        opts["attention_mask"] = torch.rand(1, h, s, sk, device=device) < 0.8
+    if opts.pop("segments", False):
+        opts["q_segment_ids"] = (torch.arange(s, device=device) // 50).expand(b, s)
+    if opts.get("softmax_aux") == "head":
+        opts["softmax_aux"] = torch.randn(h, device=device)
+    return (q, k, v), opts, None
+
+
+def run_case(name, case, device) -> bool:
+    (q, k, v), opts, cu = _inputs(case, device)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    if cu is not None:
+        # Traced tables are checked by no host: compile so that the kernels clamp them themselves.
+        fn = torch.compile(lambda q, k, v, cu: dt.flash_attn_varlen_func(q, k, v, cu, cu, 256, 256, **opts),
+                           fullgraph=True)
+        out = fn(q, k, v, cu)
+    elif case.get("sparse"):
+        layout = SparseMask.from_block_map((masks.causal() & masks.local(128))(1, 1, q.shape[1], k.shape[1], 64, 64),
+                                           64, 64)
+        out = dt.blocksparse_attention(q, k, v, layout=layout, causal=True)
+    else:
+        out = dt.flash_attention(q, k, v, **opts)
+    out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    finite = all(bool(torch.isfinite(x).all()) for x in (out, q.grad, k.grad, v.grad))
+    return finite
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("all", "specialised", "portable"), default="all")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    launched = []
+    real_run = _launch.run
+
+    def spy(launch, *a, **kw):
+        flags = {n: v for n, v in launch.constexprs if n in (
+            "WARP_SPECIALIZE", "PERSISTENT", "SPLIT_BAND", "EDGES_IN_LOOP", "TMA", "BLOCK_SPARSE", "IS_VARLEN",
+            "CAUSAL", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS") and v}
+        launched.append(f"{launch.kernel} {flags}")
+        return real_run(launch, *a, **kw)
+
+    _launch.run = spy
+    bad = 0
+    for name, specialised, case in CASES:
+        if args.only == "specialised" and not specialised or args.only == "portable" and specialised:
+            continue
+        torch.manual_seed(0)
+        del launched[:]
+        finite = run_case(name, case, "cuda")
+        bad += not finite
+        print(f"{'ok ' if finite else 'NON-FINITE'} {name}")
+        for line in dict.fromkeys(launched):
+            print(f"      {line}")
+    print(f"{bad} case(s) with non-finite outputs")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
