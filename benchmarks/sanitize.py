@@ -84,7 +84,8 @@ def run_case(name, case, device) -> bool:
     else:
         out = dt.flash_attention(q, k, v, **opts)
     out.float().square().sum().backward()
-    torch.cuda.synchronize()
+    if q.is_cuda:
+        torch.cuda.synchronize()
     finite = all(bool(torch.isfinite(x).all()) for x in (out, q.grad, k.grad, v.grad))
     return finite
 
@@ -92,8 +93,9 @@ def run_case(name, case, device) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("all", "specialised", "portable"), default="all")
+    parser.add_argument("--device", default="cuda", help="cpu runs the cases through the interpreter (a dry run)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
     launched = []
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     def spy(launch, *a, **kw):
         flags = {n: v for n, v in launch.constexprs if n in (
             "WARP_SPECIALIZE", "PERSISTENT", "SPLIT_BAND", "EDGES_IN_LOOP", "TMA", "BLOCK_SPARSE", "IS_VARLEN",
-            "CAUSAL", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS") and v}
+            "CAUSAL", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_SOFTCAP", "NUM_SINKS") and v}
         launched.append(f"{launch.kernel} {flags}")
         return real_run(launch, *a, **kw)
 
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
             continue
         torch.manual_seed(0)
         del launched[:]
-        finite = run_case(name, case, "cuda")
+        finite = run_case(name, case, args.device)
         bad += not finite
         print(f"{'ok ' if finite else 'NON-FINITE'} {name}")
         for line in dict.fromkeys(launched):

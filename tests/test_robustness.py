@@ -28,6 +28,10 @@ def _tol(device):
     return 1e-5 if device == "cpu" else 1e-4   # fp32 on the GPU: 3xTF32 dots
 
 
+# jax runs on its default device: on a GPU, XLA's fp32 dots are TF32 by default.
+JAX_TOL = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+
+
 def _qkv(rng, b, sq, sk, hq=H, hkv=H, d=D):
     return (torch.from_numpy(rng.standard_normal((b, sq, hq, d)).astype(np.float32)),
             torch.from_numpy(rng.standard_normal((b, sk, hkv, d)).astype(np.float32)),
@@ -81,7 +85,7 @@ def test_traced_cu_seqlens_never_leave_the_buffers(rng, table, device):
         fn = jax.jit(lambda q, k, v, c: dj.flash_attention_varlen(q, k, v, c, c, max_seqlen, max_seqlen, causal=True,
                                                                  return_lse=True, backend=backend))
         out_j, lse_j = fn(*_jax(q, k, v), jnp.asarray(cu.numpy()))
-        assert_close_rel(np.asarray(out_j), want, 1e-4, f"jax {backend} out")
+        assert_close_rel(np.asarray(out_j), want, max(1e-4, JAX_TOL), f"jax {backend} out")
         assert np.array_equal(np.isinf(np.asarray(lse_j)), ~covered.expand_as(lse).numpy())
 
 
@@ -97,7 +101,7 @@ def test_rows_past_the_last_sequence_are_zero(rng):
         out, lse = np.asarray(out), np.asarray(lse)
         assert not out[30:].any(), name
         assert np.all(lse[:, 30:] == -np.inf), name
-        assert_close_rel(out[:30], want[:30], 1e-5, name)
+        assert_close_rel(out[:30], want[:30], JAX_TOL, name)
 
 
 # ----------------------------------------------------------------------------- integer widths
@@ -114,7 +118,7 @@ def test_integer_mask_is_nonzero_not_truncated(rng, device):
                      "torch")
     for backend in ("triton", "xla", "pallas"):
         out = dj.flash_attention(*_jax(q, k, v), attention_mask=jnp.asarray(wide.numpy()), backend=backend)
-        assert_close_rel(np.asarray(out), want, 1e-4, backend)
+        assert_close_rel(np.asarray(out), want, max(1e-4, JAX_TOL), backend)
 
 
 def test_segment_ids_past_32_bits_stay_distinct(rng):
@@ -130,12 +134,12 @@ def test_segment_ids_past_32_bits_stay_distinct(rng):
     ids_u32 = jnp.asarray(np.where(np.arange(32) < 16, 0, 2 ** 31).astype(np.uint32)[None])
     for backend in ("triton", "xla", "pallas"):
         out = dj.flash_attention(*_jax(q, k, v), q_segment_ids=ids_u32, backend=backend)
-        assert_close_rel(np.asarray(out), want, 1e-5, f"jax {backend} uint32")
+        assert_close_rel(np.asarray(out), want, JAX_TOL, f"jax {backend} uint32")
     with jax.enable_x64(True):
         ids_64 = jnp.asarray(ids.numpy())
         for backend in ("xla", "pallas"):
             out = dj.flash_attention(*_jax(q, k, v), q_segment_ids=ids_64, backend=backend)
-            assert_close_rel(np.asarray(out), want, 1e-5, f"jax {backend} int64")
+            assert_close_rel(np.asarray(out), want, JAX_TOL, f"jax {backend} int64")
 
 
 # ----------------------------------------------------------------------------- infinite sinks
@@ -162,7 +166,7 @@ def test_infinite_sinks(rng, value):
             o, l = dj.flash_attention(q, kj, vj, softmax_aux=s, causal=True, return_lse=True, backend=backend)
             return o.sum() + jnp.clip(l, -1e4, 1e4).sum(), (o, l)
         (g_q, g_s), (o, l) = jax.grad(loss, argnums=(0, 1), has_aux=True)(qj, jnp.asarray(sinks.numpy()))
-        assert_close_rel(np.asarray(o), out.detach(), 1e-5, f"{backend} out")
+        assert_close_rel(np.asarray(o), out.detach(), JAX_TOL, f"{backend} out")
         assert np.array_equal(np.asarray(l) == np.inf, (lse == float("inf")).numpy()), backend
         assert np.isfinite(np.asarray(g_q)).all() and np.isfinite(np.asarray(g_s)).all(), backend
 
@@ -181,8 +185,8 @@ def test_huge_scores_stay_finite_in_every_backend(rng, case):
     for backend in ("triton", "xla", "pallas"):
         out, lse = dj.flash_attention(*_jax(q, k, v), softmax_scale=scale, return_lse=True, backend=backend)
         assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all(), backend
-        assert_close_rel(np.asarray(out), want, 1e-5, backend)
-        assert_close_rel(np.asarray(lse), want_lse, 1e-6, backend)
+        assert_close_rel(np.asarray(out), want, JAX_TOL, backend)
+        assert_close_rel(np.asarray(lse), want_lse, JAX_TOL / 10, backend)
 
 
 def test_window_wider_than_int32_is_unbounded(rng):
@@ -191,7 +195,7 @@ def test_window_wider_than_int32_is_unbounded(rng):
     assert torch.equal(dt.flash_attention(q, k, v, sliding_window=(2 ** 40, 0)), want)
     for backend in ("triton", "xla", "pallas"):
         out = dj.flash_attention(*_jax(q, k, v), sliding_window=(2 ** 40, 0), backend=backend)
-        assert_close_rel(np.asarray(out), want, 1e-5, backend)
+        assert_close_rel(np.asarray(out), want, JAX_TOL, backend)
 
 
 @pytest.mark.parametrize("empty", ["batch", "queries", "keys"])

@@ -125,7 +125,9 @@ def _checked(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_
     the same sizes three times (public function, forward op, backward op), ~10 us each."""
     tensors = (query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux, cu_seqlens_q,
                cu_seqlens_k)
-    if torch.compiler.is_compiling():  # symbolic sizes are not hashable
+    # Symbolic sizes (torch.compile, also in a fake impl run outside dynamo's trace) are not hashable.
+    if torch.compiler.is_compiling() or any(isinstance(n, torch.SymInt) for t in tensors if t is not None
+                                            for n in t.shape):
         return check_flash_args(*tensors[:3], **dict(zip(_TENSOR_ARGS[3:10], tensors[3:])),
                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     metas = tuple(None if t is None else _Meta(tuple(t.shape), t.dtype) for t in tensors)
