@@ -67,8 +67,8 @@ class Variant:
     ws: bool = False                    # allow the warp-specialised kernels, as the launchers do on sm_90
     num_sms: int = 0                    # the GPU's SMs as the launchers pass them (persistent launches)
 
-    def build(self, arch: int):
-        """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
+    def inputs(self):
+        """(stand-ins for the arrays a front end passes, max_seqlen_q, max_seqlen_k)."""
         dv = self.d if self.dv is None else self.dv
         arrays = {}
         if self.varlen:
@@ -96,6 +96,11 @@ class Variant:
             kind, n = self.sinks
             shape = ((self.hq,) if n == 1 else (self.hq, n)) if kind == "head" else (n,)
             arrays["softmax_aux"] = _array(shape, self.sinks_dtype or self.dtype)
+        return arrays, max_q, max_k
+
+    def problem(self):
+        """(arrays, FlashShapes, FlashOptions) of this variant."""
+        arrays, max_q, max_k = self.inputs()
         shapes = check_flash_args(arrays["query"], arrays["key"], arrays["value"],
                                   **{k: v for k, v in arrays.items() if k not in ("query", "key", "value")},
                                   max_seqlen_q=max_q, max_seqlen_k=max_k)
@@ -103,6 +108,11 @@ class Variant:
             assert shapes.sinks_per_head == (self.sinks[0] == "head") and shapes.num_sinks == self.sinks[1]
         options = FlashOptions.build(head_dim=self.d, causal=self.causal, sliding_window=self.window,
                                      logits_soft_cap=self.softcap, dropout_prob=self.dropout)
+        return arrays, shapes, options
+
+    def build(self, arch: int):
+        """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
+        arrays, shapes, options = self.problem()
         out = _array(flash_plan.out_shape(shapes), self.dtype)
         strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
         # What executor.select_config falls back to on a GPU without cached or autotuned tiles.

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import executor
+from ..kernels.flash import fit
 from ..kernels.flash import plan as flash_plan
-from ..kernels.launch import as_int32, row_major_strides, sm_count
+from ..kernels.launch import as_int32, max_shared_memory, row_major_strides, sm_count
 from ..options import FlashOptions
 from ..sparse import sparse_info
 from ..validation import (FlashShapes, check_cu_seqlens_values, check_dropout, check_flag, check_flash_args,
@@ -44,19 +45,30 @@ class _Static:
     warp_specialize: bool = False
     gluon: bool = False             # may run the Gluon kernels (plan.gluon_allowed; _gluon.py)
     num_sms: int = 0                # the GPU's SMs, for persistent launches (plan.persistent_forward, _backward)
+    arch: int = 0                   # the GPU's compute capability (90, 80); 0: the CPU interpreter
+    max_shared: int = 0             # its shared memory per block: portable launches are fitted to it (fit.py)
 
 
 def _strides(arrays: dict) -> dict:
     return {n: row_major_strides(a.shape) for n, a in arrays.items() if a is not None}
 
 
+def _plan(static: _Static, plan_fn, fit_fn, arrays: dict, *args, **kwargs):
+    """plan_fn's launches; on a GPU fit_fn's, whose portable launches are checked (compiled) against the
+    device's shared memory and made smaller where they would not fit (kernels/flash/fit.py)."""
+    kwargs.update(config=static.config, diag_shift=static.diag_shift, sparse=static.sparse, tma=static.tma,
+                  warp_specialize=static.warp_specialize, num_sms=static.num_sms, gluon=static.gluon)
+    if not static.arch:
+        return plan_fn(static.shapes, static.options, *args, **kwargs)
+    dtypes = {name: jnp.dtype(a.dtype).name for name, a in arrays.items() if a is not None}
+    return fit_fn(static.shapes, static.options, *args, arch=static.arch, max_shared=static.max_shared,
+                  dtypes=dtypes, specialize="jax", **kwargs)
+
+
 def _forward(static: _Static, arrays: dict):
     out_shape = flash_plan.out_shape(static.shapes)
-    launch = flash_plan.plan_forward(static.shapes, static.options,
-                                     {**_strides(arrays), "out": row_major_strides(out_shape)},
-                                     config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
-                                     tma=static.tma, warp_specialize=static.warp_specialize, num_sms=static.num_sms,
-                                     gluon=static.gluon)
+    launch = _plan(static, flash_plan.plan_forward, fit.forward, arrays,
+                   {**_strides(arrays), "out": row_major_strides(out_shape)})
     res = _launch.run(launch, arrays)
     return vary_like((res["out"], res["lse"]), arrays["query"], arrays["key"], arrays["value"])
 
@@ -75,11 +87,9 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     arrays, out, lse = residuals
     dout, dlse = cotangents  # custom_vjp instantiates a zero cotangent for an unused output
     shapes = static.shapes
-    plan = flash_plan.plan_backward(shapes, static.options, {**_strides(arrays), "out": row_major_strides(out.shape)},
-                                    config=static.config, diag_shift=static.diag_shift, sparse=static.sparse,
-                                    tma=static.tma, warp_specialize=static.warp_specialize, lse_grad=True,
-                                    num_sms=static.num_sms, gluon=static.gluon)
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
+    plan = _plan(static, flash_plan.plan_backward, fit.backward, a,
+                 {**_strides(arrays), "out": row_major_strides(out.shape)}, lse_grad=True)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = dict(_launch.run(plan.dkdv, a))
@@ -164,7 +174,8 @@ def _descriptor_flags(query) -> dict:
     warp_specialize = flash_plan.warp_specialize_requested(arch) and descriptors
     return dict(tma=flash_plan.tma_requested() and descriptors, warp_specialize=warp_specialize,
                 gluon=flash_plan.gluon_allowed(arch, warp_specialize),
-                num_sms=sm_count(0 if arch is not None else None))
+                num_sms=sm_count(0 if arch is not None else None), arch=arch or 0,
+                max_shared=max_shared_memory(0) if arch is not None else 0)
 
 
 def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:

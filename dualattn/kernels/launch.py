@@ -91,9 +91,19 @@ NUM_SMS_ENV = "DUALATTN_NUM_SMS"
 
 
 @functools.lru_cache(maxsize=None)
-def _device_sms(index: int) -> int:
+def _device_properties(index: int) -> dict:
     from triton.runtime import driver
-    return int(driver.active.utils.get_device_properties(index)["multiprocessor_count"])
+    return dict(driver.active.utils.get_device_properties(index))
+
+
+def _device_sms(index: int) -> int:
+    return int(_device_properties(index)["multiprocessor_count"])
+
+
+def max_shared_memory(device_index: int) -> int:
+    """Bytes of shared memory a block of CUDA device `device_index` may use (what Triton's launcher
+    checks a kernel against), asked through Triton's driver so both front ends see the same number."""
+    return int(_device_properties(device_index)["max_shared_mem"])
 
 
 def sm_count(device_index: Optional[int]) -> int:

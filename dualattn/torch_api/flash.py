@@ -17,8 +17,9 @@ from typing import Optional, Tuple
 import torch
 
 from .. import executor
+from ..kernels.flash import fit
 from ..kernels.flash import plan as flash_plan
-from ..kernels.launch import as_int32, sm_count
+from ..kernels.launch import as_int32, max_shared_memory, sm_count
 from ..options import FlashOptions
 from ..validation import (check_cu_seqlens_values, check_dropout, check_flag, check_flash_args, check_positions,
                           segment_id_dtype)
@@ -184,6 +185,18 @@ def _num_sms(a: dict) -> int:
     return sm_count(query.device.index if query.is_cuda else None)
 
 
+def _plan(plan_fn, fit_fn, a: dict, *args, **kwargs):
+    """plan_fn's launches; on a GPU fit_fn's, whose portable launches are checked (compiled) against
+    the device's shared memory and made smaller where they would not fit (kernels/flash/fit.py)."""
+    query = a["query"]
+    if not query.is_cuda:
+        return plan_fn(*args, **kwargs)
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    dtypes = {name: str(t.dtype).replace("torch.", "") for name, t in a.items() if t is not None}
+    return fit_fn(*args, arch=_gpu(index)[1], max_shared=max_shared_memory(index), dtypes=dtypes,
+                  specialize="torch", **kwargs)
+
+
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
     if dropout_prob == 0.0:
         return None
@@ -258,9 +271,9 @@ def _forward(named: dict):
         a, sparse, r = _problem(named)
         out = _new_out(flash_plan.out_shape(r.shapes), r.shapes.varlen, a["query"].dtype, query.device)
         ws = _warp_specialize(a)
-        launch = flash_plan.plan_forward(r.shapes, r.options, _strides({**a, "out": out}), config=r.config,
-                                         diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                                         warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws))
+        launch = _plan(flash_plan.plan_forward, fit.forward, a, r.shapes, r.options, _strides({**a, "out": out}),
+                       config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
+                       warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws))
         if key is not None:
             if len(_CALL_PLANS) >= _CALL_PLANS_MAX:
                 _CALL_PLANS.clear()
@@ -330,11 +343,11 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
     plan = call.backwards.get(backward_key) if call is not None else None
     if plan is None:
         ws = _warp_specialize(a)
-        plan = flash_plan.plan_backward(shapes, r.options,
-                                        _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
-                                        config=r.config, diag_shift=named["diag_shift"], sparse=sparse,
-                                        tma=_tma(a), lse_grad=dlse is not None, warp_specialize=ws,
-                                        num_sms=_num_sms(a), gluon=_gluon(a, ws))
+        plan = _plan(flash_plan.plan_backward, fit.backward, a, shapes, r.options,
+                     _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
+                     config=r.config, diag_shift=named["diag_shift"], sparse=sparse,
+                     tma=_tma(a), lse_grad=dlse is not None, warp_specialize=ws,
+                     num_sms=_num_sms(a), gluon=_gluon(a, ws))
         if call is not None:
             call.backwards[backward_key] = plan
     pre = _launch.run(plan.preprocess, a)

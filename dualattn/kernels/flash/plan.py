@@ -40,10 +40,16 @@ class SparseInfo:
     kv_rows_contiguous: bool = False  # every query block's key blocks form one run (windows, documents)
     q_rows_contiguous: bool = False   # every key block's query blocks form one run
 
-    def config(self) -> "FlashConfig":
+    def config(self, requested: Optional["FlashConfig"] = None) -> "FlashConfig":
+        """The layout's blocks as every launch's tiles.  `requested`: a config whose pipeline depths
+        cap these tiles' (fit.py lowers them where a variant would not fit the GPU's shared memory);
+        its block sizes are ignored: a layout's blocks are its tiles."""
         big = max(self.block_q, self.block_k) >= 128
         t = TileConfig(self.block_q, self.block_k, 8 if big else 4, 2 if big else 3)
-        return FlashConfig(t, t, t)
+        if requested is None:
+            return FlashConfig(t, t, t)
+        return FlashConfig(*(dataclasses.replace(t, num_stages=min(t.num_stages, r.num_stages))
+                             for r in (requested.fwd, requested.bwd_dkdv, requested.bwd_dq)))
 BWD_INPUTS = FWD_INPUTS + ("out", "dout", "lse", "delta")
 
 
@@ -634,7 +640,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     a persistent warp-specialised launch (persistent_forward; 0: never persistent).  `gluon`: as
     plan_backward's; problems gluon_forward accepts then get the Gluon forward.
     """
-    config = sparse.config() if sparse is not None else config
+    config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     switch = dict(env)
     if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
@@ -756,7 +762,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     dV and an fp32 dQ accumulator ('dq_accum'), which `dq` takes as input and casts.  Launchers
     pass dkdv's results to dq.
     """
-    config = sparse.config() if sparse is not None else config
+    config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
     scalar = dict(scalars)
     varlen = shapes.varlen

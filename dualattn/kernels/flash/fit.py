@@ -1,0 +1,111 @@
+"""Tiles that launch: every portable launch is checked against the GPU's shared memory, from its
+compiled kernel, and planned again with fewer stages or smaller tiles until it fits.
+
+The tuned tiles were measured on option-free problems.  An option adds live tiles to a kernel (a
+bias or mask tile, the soft cap's tanh, segment ids), and at D=96-256 the compiler's layout
+conversions for them can take more shared memory than an sm_90 block has (227 KB; sm_80: 163 KB):
+Triton then raises OutOfResources at the first launch.  So the launchers plan through `forward` and
+`backward` here: each portable launch is compiled for the device (triton.compile, what the first
+launch would compile anyway; cached per variant in-process) and replaced by a smaller variant while it
+does not fit.  The warp-specialised and Gluon kernels run fixed tiles on option-free problems that
+are known to fit, and are not recompiled here.
+
+Framework-free: the launchers pass the arch, the device's shared-memory limit and the input dtypes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, Iterator, Optional
+
+from .. import compile_check
+from ..launch import Launch
+from . import plan as flash_plan
+from .plan import FlashConfig, TileConfig
+
+# cudaDevAttrMaxSharedMemoryPerBlockOptin by compute capability: what a block may use (CI compiles
+# for these without a GPU; launchers on a GPU pass the device's own number).
+MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+PORTABLE_KERNELS = ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")
+MIN_BLOCK = 16
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_bytes(launch: Launch, dtypes: tuple, arch: int, specialize: str) -> int:
+    compiled = compile_check.compile_launch(launch, dict(dtypes), arch=arch, specialize=specialize)
+    return int(compiled.metadata.shared)
+
+
+def shared_bytes(launch: Launch, dtypes: Dict[str, str], arch: int, specialize: str = "torch") -> int:
+    """Shared memory of `launch`'s kernel compiled for sm_<arch> (dtypes: the inputs' dtype names)."""
+    return _shared_bytes(launch, tuple(sorted(dtypes.items())), int(arch), specialize)
+
+
+def fits(launch: Launch, dtypes: Dict[str, str], arch: int, max_shared: int, specialize: str = "torch") -> bool:
+    """Whether every portable launch of `launch`'s chain fits `max_shared` bytes on sm_<arch>."""
+    return all(shared_bytes(one, dtypes, arch, specialize) <= max_shared for one in launch.chain
+               if one.kernel in PORTABLE_KERNELS and not one.constexpr_dict.get("WARP_SPECIALIZE"))
+
+
+def smaller_tiles(tile: TileConfig) -> Iterator[TileConfig]:
+    """`tile` and then ever smaller variants: fewer pipeline stages first (each stage holds a K and a V
+    tile), then the iterated block halved, then the owned block; never below MIN_BLOCK rows."""
+    for stages in range(tile.num_stages, 0, -1):
+        yield dataclasses.replace(tile, num_stages=stages)
+    block_m, block_n = tile.block_m, tile.block_n
+    while block_m > MIN_BLOCK or block_n > MIN_BLOCK:
+        if block_n >= block_m and block_n > MIN_BLOCK:
+            block_n //= 2
+        else:
+            block_m //= 2
+        warps = min(tile.num_warps, max(1, block_m // 16))
+        for stages in (2, 1):
+            yield TileConfig(block_m, block_n, warps, stages)
+
+
+def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_shared: int, dtypes: Dict[str, str],
+            specialize: str = "torch", **plan_kwargs) -> Launch:
+    """plan.plan_forward, with config.fwd made smaller until every portable launch fits."""
+    config = _start(config, plan_kwargs)
+    # (a split band's edges launch resumes from the interior's out and lse)
+    dtypes = {**dtypes, "resume_out": dtypes["query"], "resume_lse": "float32"}
+    launch = None
+    for tile in smaller_tiles(config.fwd):
+        launch = flash_plan.plan_forward(shapes, options, strides, config=dataclasses.replace(config, fwd=tile),
+                                         **plan_kwargs)
+        if fits(launch, dtypes, arch, max_shared, specialize):
+            return launch
+    return _none_fits(launch, arch, max_shared)
+
+
+def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_shared: int, dtypes: Dict[str, str],
+             specialize: str = "torch", **plan_kwargs) -> "flash_plan.BackwardPlan":
+    """plan.plan_backward, with config.bwd_dkdv and config.bwd_dq made smaller (each on its own) until
+    both portable launches fit."""
+    config = _start(config, plan_kwargs)
+    dkdv_tiles, dq_tiles = smaller_tiles(config.bwd_dkdv), smaller_tiles(config.bwd_dq)
+    dkdv, dq = next(dkdv_tiles), next(dq_tiles)
+    plan = None
+    while True:
+        plan = flash_plan.plan_backward(shapes, options, strides,
+                                        config=dataclasses.replace(config, bwd_dkdv=dkdv, bwd_dq=dq), **plan_kwargs)
+        dkdv_fits = fits(plan.dkdv, {**dtypes, "delta": "float32"}, arch, max_shared, specialize)
+        dq_fits = fits(plan.dq, {**dtypes, "delta": "float32"}, arch, max_shared, specialize)
+        if dkdv_fits and dq_fits:
+            return plan
+        try:
+            dkdv = dkdv if dkdv_fits else next(dkdv_tiles)
+            dq = dq if dq_fits else next(dq_tiles)
+        except StopIteration:
+            return _none_fits(plan.dkdv if not dkdv_fits else plan.dq, arch, max_shared)
+
+
+def _start(config: FlashConfig, plan_kwargs) -> FlashConfig:
+    """Block-sparse launches run the layout's blocks: only their pipeline depth can shrink."""
+    sparse = plan_kwargs.get("sparse")
+    return sparse.config() if sparse is not None else config
+
+
+def _none_fits(launch: Optional[Launch], arch: int, max_shared: int):
+    raise RuntimeError(f"no tile of {launch.kernel if launch else 'the kernel'} fits the {max_shared} bytes of shared "
+                       f"memory of sm_{arch}: please report this problem's shapes and options")

@@ -1,0 +1,100 @@
+"""Launches that fit: portable kernels checked (compiled, no GPU needed) against a GPU's shared memory,
+and made smaller where an option combination would not launch (kernels/flash/fit.py).
+
+The random sample draws new option combinations on every run (its seed is in each failure message;
+DUALATTN_TEST_SEED fixes it), so CI compiles a different slice of the option space for sm_90 and sm_80
+each time.
+"""
+from __future__ import annotations
+
+import os
+import time
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from dualattn.kernels.flash import fit  # noqa: E402
+from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from dualattn.kernels.flash.plan import TileConfig  # noqa: E402
+from dualattn.kernels.launch import row_major_strides  # noqa: E402
+from test_compile import Variant  # noqa: E402
+
+
+def test_smaller_tiles_shrink_to_the_minimum():
+    tiles = list(fit.smaller_tiles(TileConfig(128, 64, 8, 3)))
+    assert tiles[0] == TileConfig(128, 64, 8, 3) and [t.num_stages for t in tiles[:3]] == [3, 2, 1]
+    assert tiles[-1].block_m == tiles[-1].block_n == fit.MIN_BLOCK and tiles[-1].num_stages == 1
+    sizes = [t.block_m * t.block_n for t in tiles]
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(t.num_warps >= 1 and t.block_m >= 16 * min(t.num_warps, t.block_m // 16) for t in tiles)
+
+
+def _fitted(variant, arch):
+    """Fit the variant's forward and backward for sm_<arch> the way the launchers do."""
+    arrays, shapes, options = variant.problem()
+    out = types.SimpleNamespace(shape=flash_plan.out_shape(shapes), dtype=variant.dtype)
+    strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
+    config = flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal)
+    dtypes = {k: a.dtype for k, a in arrays.items()}
+    if variant.dropout:
+        dtypes["dropout_seed"] = "int32"
+    kw = dict(config=config, arch=arch, max_shared=fit.MAX_SHARED_BYTES[arch], dtypes=dtypes,
+              warp_specialize=variant.ws and arch == 90, num_sms=132 if variant.ws else 0)
+    fwd = fit.forward(shapes, options, strides, **kw)
+    dtypes = {**dtypes, "out": variant.dtype, "dout": variant.dtype, "lse": "float32", "dlse": "float32"}
+    bwd = fit.backward(shapes, options, strides, lse_grad=variant.lse_grad, **{**kw, "dtypes": dtypes})
+    return config, fwd, bwd, {**dtypes, "delta": "float32", "resume_out": variant.dtype, "resume_lse": "float32"}
+
+
+def _assert_all_fit(variant, arch, why=""):
+    config, fwd, bwd, dtypes = _fitted(variant, arch)
+    for launch in (*fwd.chain, bwd.dkdv, bwd.dq):
+        used = fit.shared_bytes(launch, dtypes, arch)
+        assert used <= fit.MAX_SHARED_BYTES[arch], (f"{variant.name} on sm_{arch}: {launch.kernel} needs {used} bytes "
+                                                    f"of shared memory{why}")
+    return config, fwd, bwd
+
+
+def test_an_option_combination_that_overflowed_now_fits():
+    """D=128 with a mask and a soft cap: the tuned forward tile took 256 KB on sm_90 (227 KB allowed)."""
+    variant = Variant("mask-softcap-d128-gqa-cross", d=128, mask="full", softcap=30.0, sq=384, sk=1500, hq=4, hkv=2)
+    unfitted, _, dtypes = variant.build(90)
+    assert fit.shared_bytes(unfitted, dtypes, 90) > fit.MAX_SHARED_BYTES[90]   # what failed to launch
+    config, fwd, _ = _assert_all_fit(variant, 90)
+    tile = fwd.constexpr_dict
+    assert (tile["BLOCK_M"], tile["BLOCK_N"], fwd.num_stages) != (config.fwd.block_m, config.fwd.block_n,
+                                                                  config.fwd.num_stages)
+
+
+_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+_OPTIONS = ("causal", "window", "softcap", "bias", "mask", "segments", "sinks", "dropout", "varlen")
+
+
+def _random_variant(rng):
+    options = set(rng.choice(_OPTIONS, size=rng.integers(1, 4), replace=False))
+    if "varlen" in options:
+        options -= {"bias", "mask", "segments"}   # not with varlen (validation rejects them)
+    d = int(rng.choice(_HEAD_DIMS))
+    hkv = int(rng.choice((1, 2, 4)))
+    sq, sk = (int(x) for x in rng.integers(100, 2500, size=2))
+    return Variant(
+        "random-" + "-".join(sorted(options)) + f"-d{d}", dtype=str(rng.choice(("bfloat16", "float16", "float32"))),
+        d=d, dv=int(rng.choice(_HEAD_DIMS)) if rng.random() < 0.2 else None, batch=2, sq=sq,
+        sk=sq if "varlen" in options else sk, hq=hkv * int(rng.choice((1, 2, 4))), hkv=hkv,
+        causal="causal" in options, window=(int(rng.integers(0, 600)), int(rng.integers(0, 100))) if "window" in options
+        else None, softcap=30.0 if "softcap" in options else None, bias="full" if "bias" in options else None,
+        mask=str(rng.choice(("full", "bcast"))) if "mask" in options else None, segments="segments" in options,
+        sinks=("head", 1) if "sinks" in options else None, dropout=0.1 if "dropout" in options else 0.0,
+        varlen="varlen" in options, lse_grad=bool(rng.random() < 0.5), ws=bool(rng.random() < 0.5))
+
+
+def test_a_random_sample_of_option_combinations_fits_sm90_and_sm80():
+    seed = int(os.environ.get("DUALATTN_TEST_SEED") or time.time())
+    rng = np.random.default_rng(seed)
+    for _ in range(2):
+        variant = _random_variant(rng)
+        for arch in (90, 80):
+            _assert_all_fit(variant, arch, f" (DUALATTN_TEST_SEED={seed} reproduces this sample)")
