@@ -129,16 +129,21 @@ class Variant:
                                        lse_grad=self.lse_grad, warp_specialize=self.ws, num_sms=self.num_sms,
                                        **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
-                      resume_out=self.dtype, resume_lse="float32")   # a split band's edges launch
+                      resume_out=self.dtype, resume_lse="float32",   # a split band's edges launch
+                      segment_ranges="int32")                        # (segments.py)
         if self.lse_grad:
             dtypes["dlse"] = "float32"
         if self.dropout > 0:
             dtypes["dropout_seed"] = "int32"   # (1,) int32 array, so JAX can trace the seed
         return fwd, bwd, dtypes
 
-    def launch(self, kernel: str, arch: int):
+    def launch(self, kernel: str, arch: int, head: bool = False):
+        """The flash launch `kernel` of this variant (head=True: the first launch of its chain, e.g. the
+        segment ranges it resumes from) and the input dtypes."""
         fwd, bwd, dtypes = self.build(arch)
-        return {"fwd": fwd, "preprocess": bwd.preprocess, "dkdv": bwd.dkdv, "dq": bwd.dq}[kernel], dtypes
+        chain = {"fwd": fwd, "preprocess": bwd.preprocess, "dkdv": bwd.dkdv, "dq": bwd.dq}[kernel]
+        return chain if head else next(x for x in chain.chain if x.module.startswith("flash.backward")
+                                       or x.module.startswith("flash.forward")), dtypes
 
 
 # ---- default tier: every dtype, head dim and option on both archs, combined ----
@@ -233,6 +238,21 @@ def test_compile(variant, kernel, arch):
 @pytest.mark.parametrize("variant, kernel, arch", _cases(SLOW))
 def test_compile_sweep(variant, kernel, arch):
     _run_case(variant, kernel, arch)
+
+
+def test_segment_ranges_run_first_and_compile():
+    """With segment ids the forward, dK/dV and dQ each start from their own tiles' segment ranges."""
+    variant = FAST[2]
+    assert variant.segments
+    for kernel in DOT_KERNELS:
+        for arch in ARCHS:
+            head, dtypes = variant.launch(kernel, arch, head=True)
+            main, _ = variant.launch(kernel, arch)
+            assert head.kernel == "segment_ranges_kernel" and head.then is main
+            assert main.constexpr_dict["SEGMENT_SKIP"] and dict(main.resume) == {"segment_ranges": "segment_ranges"}
+            own = main.constexpr_dict["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"]
+            assert head.constexpr_dict["BLOCK_OWN"] == own
+            _check_binary(_compile(head, dtypes, arch, "torch", variant.name), head, arch, variant.name)
 
 
 def test_hopper_forward_uses_wgmma():

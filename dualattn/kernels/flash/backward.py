@@ -19,8 +19,8 @@ import triton.language as tl
 from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
                     dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_stats,
                     load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile, query_range,
-                    reduce_sum, row_stats, row_tiles, rows_cols, sequence_bounds, tile_mask, tile_start, whole_stats,
-                    whole_tiles)
+                    reduce_sum, row_stats, row_tiles, rows_cols, segment_range, sequence_bounds, tile_mask, tile_start,
+                    whole_stats, whole_tiles)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
@@ -191,6 +191,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
 def flash_bwd_dkdv_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
     SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
+    SEGMENT_RANGES,
     DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
@@ -210,7 +211,7 @@ def flash_bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
 ):
     tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
                                              or WARP_SPECIALIZE)))   # (plan.edges_in_loop)
@@ -281,6 +282,8 @@ def flash_bwd_dkdv_kernel(
             if not BLOCK_SPARSE:
                 start, full_start, full_end, end = query_range(n0, q_len, k_len, diag, window_left, window_right,
                                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                start, full_start, full_end, end = segment_range(SEGMENT_RANGES, b, pid_n, num_tiles, start,
+                                                                 full_start, full_end, end, SEGMENT_SKIP)
                 BLOCK_LIST = SPARSE_Q_INDEX  # unused
             mask_offs_n, mask_seqlen_k, mask_diag = own_tile_frame(n0, offs_n, k_len, diag, BLOCK_N, True,
                                                                    BAND_IN_LOOP)
@@ -387,6 +390,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, ful
 def flash_bwd_dq_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
     SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
+    SEGMENT_RANGES,
     DO, LSE, DELTA,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
@@ -405,7 +409,7 @@ def flash_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
 ):
     tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
                                              or WARP_SPECIALIZE)))   # (plan.edges_in_loop)
@@ -492,6 +496,8 @@ def flash_bwd_dq_kernel(
             start, full_start, full_end, end, BLOCK_LIST = key_tiles(
                 m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, q_len, k_len, diag,
                 window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
+            start, full_start, full_end, end = segment_range(SEGMENT_RANGES, b, pid_m, num_tiles, start, full_start,
+                                                             full_end, end, SEGMENT_SKIP)
             mask_offs_m, mask_seqlen_q, mask_diag = own_tile_frame(m0, offs_m, q_len, diag, BLOCK_M, False,
                                                                    BAND_IN_LOOP)
             for segment in tl.static_range(3):

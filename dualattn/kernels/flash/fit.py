@@ -68,7 +68,7 @@ def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sha
     """plan.plan_forward, with config.fwd made smaller until every portable launch fits."""
     config = _start(config, plan_kwargs)
     # (a split band's edges launch resumes from the interior's out and lse)
-    dtypes = {**dtypes, "resume_out": dtypes["query"], "resume_lse": "float32"}
+    dtypes = {**dtypes, "resume_out": dtypes["query"], "resume_lse": "float32", "segment_ranges": "int32"}
     launch = None
     for tile in smaller_tiles(config.fwd):
         launch = flash_plan.plan_forward(shapes, options, strides, config=dataclasses.replace(config, fwd=tile),
@@ -89,8 +89,9 @@ def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sh
     while True:
         plan = flash_plan.plan_backward(shapes, options, strides,
                                         config=dataclasses.replace(config, bwd_dkdv=dkdv, bwd_dq=dq), **plan_kwargs)
-        dkdv_fits = fits(plan.dkdv, {**dtypes, "delta": "float32"}, arch, max_shared, specialize)
-        dq_fits = fits(plan.dq, {**dtypes, "delta": "float32"}, arch, max_shared, specialize)
+        launched = {**dtypes, "delta": "float32", "segment_ranges": "int32"}
+        dkdv_fits = fits(plan.dkdv, launched, arch, max_shared, specialize)
+        dq_fits = fits(plan.dq, launched, arch, max_shared, specialize)
         if dkdv_fits and dq_fits:
             return plan
         try:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias,
                     load_ids, load_rows, load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile,
-                    reduce_max, reduce_sum, row_stats, row_tiles, sequence_bounds, tile_mask, tile_start,
+                    reduce_max, reduce_sum, row_stats, row_tiles, segment_range, sequence_bounds, tile_mask, tile_start,
                     whole_stats, whole_tiles)
 
 
@@ -101,6 +101,7 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
 def flash_fwd_kernel(
     Q, K, V, BIAS, MASK, QSEG, KSEG, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K, DROPOUT_SEED,
     SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, QPOS, KPOS,
+    SEGMENT_RANGES,
     RESUME_O, RESUME_LSE,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
@@ -118,7 +119,7 @@ def flash_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_BAND: tl.constexpr,
-    EDGES_IN_LOOP: tl.constexpr, PERSISTENT: tl.constexpr,
+    EDGES_IN_LOOP: tl.constexpr, PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
 ):
     # EDGES_IN_LOOP's branch masks positions only, and only plain dense bands (plan.edges_in_loop).
     tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
@@ -237,6 +238,8 @@ def flash_fwd_kernel(
             start, full_start, full_end, end, BLOCK_LIST = key_tiles(
                 m0, pid_m, layout_q, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_blocks, q_len, k_len, diag,
                 window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BLOCK_SPARSE)
+            start, full_start, full_end, end = segment_range(SEGMENT_RANGES, b, pid_m, num_tiles, start, full_start,
+                                                             full_end, end, SEGMENT_SKIP)
             if SPLIT_BAND and not WARP_SPECIALIZE:
                 # The edges launch runs smaller tiles than the interior's (SPLIT_BAND square): its band
                 # minus that interior.  The interior is visible to every row, so it lies inside this

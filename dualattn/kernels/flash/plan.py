@@ -20,7 +20,7 @@ SPARSE_INPUTS = ("sparse_kv_count", "sparse_kv_index", "sparse_q_order", "sparse
                  "sparse_k_order")
 FWD_INPUTS = ("query", "key", "value", "bias", "attention_mask", "q_segment_ids", "kv_segment_ids",
               "softmax_aux", "cu_seqlens_q", "cu_seqlens_k", "dropout_seed") + SPARSE_INPUTS + (
-              "q_positions", "kv_positions")
+              "q_positions", "kv_positions", "segment_ranges")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,7 +663,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
         num_work = grid[0] * grid[1] if persistent_launch else 0
         if persistent_launch:
             grid = (num_sms, 1, 1)
-        return Launch(
+        skip = segment_skip(shapes, sparse, warp_specialized)
+        main = Launch(
             module="flash.forward", kernel="flash_fwd_kernel", grid=grid,
             inputs=FWD_INPUTS + tuple(name for name, _ in FWD_RESUME), scalars=scalars + (("num_work", num_work),),
             outputs=(*_forward_outputs(shapes), desc_scratch(grid, tma_loads)),
@@ -672,9 +673,10 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0),
                                      ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(
                                          shapes, options, sparse, constexprs, switch.get(EDGES_IN_LOOP_ENV))),
-                                     ("PERSISTENT", persistent_launch)),
+                                     ("PERSISTENT", persistent_launch), ("SEGMENT_SKIP", skip)),
             num_warps=t.num_warps, num_stages=t.num_stages, then=then,
-            resume=FWD_RESUME if split and not warp_specialized else ())
+            resume=FWD_RESUME if split and not warp_specialized else SEGMENT_RESUME if skip else ())
+        return segment_ranges_first(main, shapes, dict(scalars), t.block_m, t.block_n, True) if skip else main
 
     if ws:
         return launch(WS_TILE, True, True, then=launch(WS_EDGES_TILE, False, False) if split else None)
@@ -691,6 +693,29 @@ def _forward_outputs(shapes: FlashShapes) -> Tuple[Output, Output]:
 
 
 BWD_KERNEL_INPUTS = FWD_INPUTS + ("dout", "lse", "delta")
+# What a launch resumes from the per-tile segment ranges its head launch computed (segments.py).
+SEGMENT_RESUME = (("segment_ranges", "segment_ranges"),)
+
+
+def segment_skip(shapes: FlashShapes, sparse: Optional[SparseInfo], warp_specialized: bool) -> bool:
+    """Whether a launch visits only the tiles that share segment ids with its own (SEGMENT_SKIP): every
+    portable dense launch with segment ids.  (Block-sparse launches walk their layout's lists.)"""
+    return shapes.has_segments and sparse is None and not warp_specialized
+
+
+def segment_ranges_first(main: Launch, shapes: FlashShapes, scalar: dict, block_own: int, block_other: int,
+                         own_is_query: bool) -> Launch:
+    """`main` preceded by the launch computing its per-tile segment ranges (segments.py), for its tiles:
+    own tiles of block_own rows (queries in the forward and dQ, keys in dK/dV), iterated ones of block_other."""
+    n_tiles = cdiv(shapes.seqlen_q if own_is_query else shapes.seqlen_k, block_own)
+    return Launch(
+        module="flash.segments", kernel="segment_ranges_kernel", grid=(n_tiles, shapes.batch, 1),
+        inputs=("q_segment_ids", "kv_segment_ids"),
+        scalars=tuple((k, scalar[k]) for k in ("seg_stride_qb", "seg_stride_kb", "seqlen_q", "seqlen_k"))
+        + (("num_tiles", n_tiles),),
+        outputs=(Output("segment_ranges", (shapes.batch, n_tiles, 2), "int32"),),
+        constexprs=(("BLOCK_OWN", block_own), ("BLOCK_OTHER", block_other), ("OWN_IS_QUERY", own_is_query)),
+        num_warps=4, num_stages=1, then=main)
 # What a SPLIT_BAND edges launch resumes from: the interior launch's out and lse.
 FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 
@@ -830,6 +855,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     t = ws_dkdv or config.bwd_dkdv
     grid, num_work, dkdv_persistent = persistent_grid(
         (cdiv(shapes.seqlen_k, t.block_n), shapes.batch * shapes.heads_kv, 1), t, bool(ws_dkdv))
+    skip = segment_skip(shapes, sparse, bool(ws_dkdv))
     dkdv = Launch(
         module="flash.backward", kernel="flash_bwd_dkdv_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
@@ -843,14 +869,17 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                  desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
                                  ("WARP_SPECIALIZE", bool(ws_dkdv)), ("EDGES_IN_LOOP", not ws_dkdv and edges),
-                                 ("PERSISTENT", dkdv_persistent)),
-        num_warps=t.num_warps, num_stages=t.num_stages)
+                                 ("PERSISTENT", dkdv_persistent), ("SEGMENT_SKIP", skip)),
+        num_warps=t.num_warps, num_stages=t.num_stages, resume=SEGMENT_RESUME if skip else ())
+    if skip:
+        dkdv = segment_ranges_first(dkdv, shapes, scalar, t.block_n, t.block_m, False)
 
     if sparse is not None:
         constexprs = _with_constexpr(constexprs, "SPARSE_CONTIGUOUS", sparse.kv_rows_contiguous)
     t = ws_dq or config.bwd_dq
     grid, num_work, dq_persistent = persistent_grid(
         (cdiv(shapes.seqlen_q, t.block_m), shapes.batch * shapes.heads_q, 1), t, bool(ws_dq))
+    skip = segment_skip(shapes, sparse, bool(ws_dq))
     dq = Launch(
         module="flash.backward", kernel="flash_bwd_dq_kernel", grid=grid,
         inputs=BWD_KERNEL_INPUTS,
@@ -859,8 +888,10 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         outputs=(Output("dquery", q_shape, "like:query", zeroed=varlen), desc_scratch(grid, use_tma or bool(ws_dq))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dq)),
                                  ("WARP_SPECIALIZE", bool(ws_dq)), ("EDGES_IN_LOOP", not ws_dq and edges),
-                                 ("PERSISTENT", dq_persistent)),
-        num_warps=t.num_warps, num_stages=t.num_stages)
+                                 ("PERSISTENT", dq_persistent), ("SEGMENT_SKIP", skip)),
+        num_warps=t.num_warps, num_stages=t.num_stages, resume=SEGMENT_RESUME if skip else ())
+    if skip:
+        dq = segment_ranges_first(dq, shapes, scalar, t.block_m, t.block_n, True)
     return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
 
 

@@ -74,6 +74,20 @@ def key_tiles(m0, tile, layout_row, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_bloc
 
 
 @triton.jit
+def segment_range(SEGMENT_RANGES, b, tile, num_tiles, start, full_start, full_end, end, SKIP: tl.constexpr):
+    """The band's tiles narrowed to those sharing segment ids with this tile (segments.py computed the
+    range per batch and tile: positions, multiples of the other axis' tile).  Segment ids are still
+    compared on every tile visited."""
+    if SKIP:
+        row = SEGMENT_RANGES + (b.to(tl.int64) * num_tiles + tile) * 2
+        start = tl.maximum(start, tl.load(row))
+        end = tl.maximum(tl.minimum(end, tl.load(row + 1)), start)
+        full_start = tl.minimum(tl.maximum(full_start, start), end)
+        full_end = tl.minimum(tl.maximum(full_end, full_start), end)
+    return start, full_start, full_end, end
+
+
+@triton.jit
 def loop_segment(segment: tl.constexpr, start, full_start, full_end, end, ONE_LOOP: tl.constexpr = False):
     """[lo, hi) of loop segment 0, 1, 2: the masked leading edge, the unmasked interior, the masked
     trailing edge (segment 1 alone compiles without position masks).  ONE_LOOP: segment 1 is the
