@@ -6,7 +6,7 @@ the warp-specialised kernels off (DUALATTN_WS=0: they have fixed tiles).  Each p
 the default launch (warp-specialised where the plan takes it: 'default' rows of the log).
 --seqlens below plan.SHORT_SEQ_BUCKETS' top write short-sequence keys (plan.tuned_key).
 --compile-workers N first compiles every tile in N processes (Triton's disk cache), then times
-them one process: compiling ~200 variants serially took most of a device session.
+them in one process: compiled one after another, ~200 variants dominate the run.
 """
 import argparse
 import json

@@ -1,8 +1,9 @@
 """The torch front end's host time per call with the kernels stubbed out (no launch, no
 interpreter), planned as on an H100 (warp specialisation and Gluon allowed, 132 SMs): what the
-Python around a launch costs, on any machine.  NOTES step 31.
+Python around a launch costs, on any machine (CPU is enough).  A regression check for the
+front end's per-call work: validation, config selection, planning, the memo of planned calls.
 
-    python benchmarks/experiments/host_front_end_cpu.py [causal 0|1 [cProfile sort key]]
+    python benchmarks/host_front_end_cpu.py [causal 0|1 [cProfile sort key]]
 """
 import cProfile
 import pstats

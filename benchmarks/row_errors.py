@@ -1,17 +1,18 @@
 """Where a kernel variant goes wrong: per-row errors of out, dQ, dK, dV against float64 (GPU, torch).
 
-    PYTHONPATH=$PWD python benchmarks/experiments/row_errors.py
+    python benchmarks/row_errors.py
 
 Prints, per case, the largest relative error of each output and the rows above 2e-2 (their range
-within a 128-row tile and the tiles they fall in).  It found the warp-specialised backward's
-second consumer warpgroup masking rows 64-127 of each tile as rows 128-191 (NOTES step 21).
+within a 128-row tile and the tiles they fall in).  A kernel variant that is wrong on some rows of
+every tile (a warpgroup computing the wrong rows, a store that misses half a tile) shows as a band of
+rows mod 128; edit the cases below to the shapes and options of the variant under suspicion.
 """
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference import reference_attention  # noqa: E402
 
 from dualattn.torch_api import flash_attention  # noqa: E402

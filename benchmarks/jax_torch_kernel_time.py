@@ -3,9 +3,7 @@ by JAX (jax-triton) on the same buffers, from the profiler (CUPTI sees both), al
 rounds.  Tells a slower JAX figure in the sweep apart: the kernel (e.g. another ptxas build)
 or the host and launch path.
 
-    PYTHONPATH=$PWD python benchmarks/experiments/jax_torch_kernel_time.py
-
-(benchmarks/results/2026-11-23_h100_jax_torch_kernel_time.log; NOTES step 22.)
+    python benchmarks/jax_torch_kernel_time.py
 """
 import jax
 import torch

@@ -1,6 +1,6 @@
-"""Is the torch path host-bound on the GPU machine, and where does its host time go?  The
-sweeps' torch cells at S <= 2048 causal move by up to 1.6x between runs while the JAX path, on
-the same kernel, does not (NOTES step 33).  Per case, three figures:
+"""Is the torch path host-bound on this GPU machine, and where does its host time go?  At S <= 2048
+the torch path's TFLOP/s can move between runs while the JAX path, on the same kernel, does not:
+this separates the kernel's time from the host's.  Per case, three figures:
 
 - gpu: kernel time per call (CUDA events around calls queued behind a torch.cuda._sleep, so the
   GPU runs them back to back whatever the host does);
@@ -11,7 +11,7 @@ If issue >= gpu the call is host-bound and b2b ~ issue.  Then cProfile of the is
 case.  Run the torch cases again after JAX has run a large jitted step in the process (the
 sweep's order), to see whether JAX's runtime threads slow the torch host path.
 
-    PYTHONPATH=$PWD python benchmarks/experiments/host_issue_gpu.py
+    python benchmarks/host_issue.py
 """
 import cProfile
 import gc
