@@ -47,6 +47,7 @@ class _Static:
     num_sms: int = 0                # the GPU's SMs, for persistent launches (plan.persistent_forward, _backward)
     arch: int = 0                   # the GPU's compute capability (90, 80); 0: the CPU interpreter
     max_shared: int = 0             # its shared memory per block: portable launches are fitted to it (fit.py)
+    deterministic: bool = False     # backward without the one-pass kernel's dQ atomics (plan.plan_backward)
 
 
 def _strides(arrays: dict) -> dict:
@@ -89,7 +90,8 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     shapes = static.shapes
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     plan = _plan(static, flash_plan.plan_backward, fit.backward, a,
-                 {**_strides(arrays), "out": row_major_strides(out.shape)}, lse_grad=True)
+                 {**_strides(arrays), "out": row_major_strides(out.shape)}, lse_grad=True,
+                 deterministic=static.deterministic)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = dict(_launch.run(plan.dkdv, a))
@@ -191,12 +193,13 @@ def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_p
 def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, q_segment_ids,
           kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse, backend,
           cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, xla_options=None,
-          sparse=None, q_positions=None, kv_positions=None):
+          sparse=None, q_positions=None, kv_positions=None, deterministic=False):
     check_arrays(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, q_positions=q_positions,
                  kv_positions=kv_positions)
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    deterministic = check_flag("deterministic", deterministic)
     check_dropout(dropout_prob, dropout_seed)
     shapes = check_flash_args(query, key, value, bias=bias, attention_mask=attention_mask,
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
@@ -232,7 +235,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
             arrays.update(_sparse_arrays(sparse))
             info = sparse_info(sparse)
         static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift), info,
-                         **_descriptor_flags(query))
+                         **_descriptor_flags(query), deterministic=deterministic)
         out, lse = _flash_triton(static, arrays)
         if shapes.varlen and return_lse:
             # Rows in no sequence are written by no program; out was zero-filled, lse is masked here
@@ -266,7 +269,7 @@ def flash_attention(query, key, value, *, softmax_scale: Optional[float] = None,
                     sliding_window=None, logits_soft_cap: Optional[float] = None, softmax_aux=None,
                     q_segment_ids=None, kv_segment_ids=None, attention_mask=None, bias=None,
                     dropout_prob: float = 0.0, dropout_seed=None, return_lse: bool = False,
-                    backend: str = "auto", xla_options: Optional[dict] = None):
+                    backend: str = "auto", xla_options: Optional[dict] = None, deterministic: bool = False):
     """Flash attention over BSHD jax arrays; same arguments and meaning as the torch front end.
 
     Args:
@@ -279,6 +282,9 @@ def flash_attention(query, key, value, *, softmax_scale: Optional[float] = None,
         return_lse: also return the float32 log-sum-exp (B, Hq, Sq).
         backend: "triton" | "xla" | "pallas" | "auto" (triton on GPU, pallas on TPU, xla on CPU).
         xla_options: extra keywords for the xla backend (block_q, block_k, precision, logits_dtype).
+        deterministic: bitwise reproducible gradients.  The triton backend's one-pass Hopper backward
+            adds dQ tiles with atomics; deterministic=True takes the two-pass kernels.  The xla and
+            pallas backends are deterministic already.
 
     Returns:
         out (B, Sq, Hq, Dv) in query's dtype, or (out, lse). Fully masked rows give 0 (lse -inf).
@@ -287,20 +293,22 @@ def flash_attention(query, key, value, *, softmax_scale: Optional[float] = None,
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, attention_mask=attention_mask, bias=bias,
                  dropout_prob=dropout_prob, dropout_seed=dropout_seed, return_lse=return_lse, backend=backend,
-                 xla_options=xla_options)
+                 xla_options=xla_options, deterministic=deterministic)
 
 
 def flash_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            softmax_scale: Optional[float] = None, causal: bool = False, sliding_window=None,
                            logits_soft_cap: Optional[float] = None, softmax_aux=None, dropout_prob: float = 0.0,
                            dropout_seed=None, return_lse: bool = False, backend: str = "auto",
-                           xla_options: Optional[dict] = None):
+                           xla_options: Optional[dict] = None, deterministic: bool = False):
     """Packed variable-length attention: (total, H, D) arrays, int32 cu_seqlens (n_seqs + 1,).
 
     Returns out (total_q, Hq, Dv) [and lse (Hq, total_q)].  max_seqlen_* must be static ints.
+    deterministic: as flash_attention's.
     """
     return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=None, kv_segment_ids=None,
                  attention_mask=None, bias=None, dropout_prob=dropout_prob, dropout_seed=dropout_seed,
                  return_lse=return_lse, backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, xla_options=xla_options)
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, xla_options=xla_options,
+                 deterministic=deterministic)

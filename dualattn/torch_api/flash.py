@@ -54,7 +54,7 @@ _TENSOR_ARGS = ("query", "key", "value", "bias", "attention_mask", "q_segment_id
                 "softmax_aux", "cu_seqlens_q", "cu_seqlens_k") + flash_plan.SPARSE_INPUTS + ("q_positions", "kv_positions")
 _STATIC_ARGS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
                 "logits_soft_cap", "dropout_prob", "dropout_seed", "diag_shift", "sparse_block_q", "sparse_block_k",
-                "sparse_contiguous")
+                "sparse_contiguous", "deterministic")
 
 
 def _sparse(kv_count, kv_index, q_order, q_count, q_index, k_order, block_q: int, block_k: int, contiguous: int):
@@ -210,7 +210,7 @@ def _flash_fwd_impl(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Te
               sparse_q_index: Optional[Tensor], sparse_k_order: Optional[Tensor], q_positions: Optional[Tensor],
               kv_positions: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
               dropout_prob: float, dropout_seed: int, diag_shift: int, sparse_block_q: int,
-              sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor]:
+              sparse_block_k: int, sparse_contiguous: int, deterministic: bool) -> Tuple[Tensor, Tensor]:
     """Forward launch: (out, lse).  Inputs already validated and normalised by the public functions."""
     out, lse, _, _ = _forward(dict(locals()))
     return out, lse
@@ -313,7 +313,8 @@ def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tenso
               sparse_k_order: Optional[Tensor], q_positions: Optional[Tensor], kv_positions: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float, dropout_prob: float,
               dropout_seed: int, diag_shift: int, sparse_block_q: int,
-              sparse_block_k: int, sparse_contiguous: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              sparse_block_k: int, sparse_contiguous: int,
+              deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launches: (dquery, dkey, dvalue, dbias, dsoftmax_aux); absent inputs get empty grads.
     dlse (None: zero) is the cotangent of the forward's lse."""
     named = {k: v for k, v in locals().items() if k not in ("dout", "out", "lse", "dlse")}
@@ -347,7 +348,7 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
                      _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
                      config=r.config, diag_shift=named["diag_shift"], sparse=sparse,
                      tma=_tma(a), lse_grad=dlse is not None, warp_specialize=ws,
-                     num_sms=_num_sms(a), gluon=_gluon(a, ws))
+                     num_sms=_num_sms(a), gluon=_gluon(a, ws), deterministic=named["deterministic"])
         if call is not None:
             call.backwards[backward_key] = plan
     pre = _launch.run(plan.preprocess, a)
@@ -505,11 +506,13 @@ def _resolve_seed(dropout_prob: float, dropout_seed: Optional[int]) -> int:
 def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux,
           q_segment_ids, kv_segment_ids, attention_mask, bias, dropout_prob, dropout_seed, return_lse,
           cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, diag_shift=0, sparse=None,
-          q_positions=None, kv_positions=None):
+          q_positions=None, kv_positions=None, deterministic=False):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    # torch.use_deterministic_algorithms(True) asks for it too, as for torch's own kernels.
+    deterministic = check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     _check_devices(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -543,7 +546,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                _NONE if options.window_left is None else options.window_left,
                _NONE if options.window_right is None else options.window_right,
                options.logits_soft_cap or 0.0, options.dropout_prob, _resolve_seed(dropout_prob, dropout_seed),
-               int(diag_shift), block_q, block_k, contiguous)   # as _STATIC_ARGS
+               int(diag_shift), block_q, block_k, contiguous, deterministic)   # as _STATIC_ARGS
     grads = (query, key, value, bias, softmax_aux)   # as _GRAD_ARGS
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                          any(t is not None and t.requires_grad for t in grads)):
@@ -581,7 +584,7 @@ def flash_attention(query: Tensor, key: Tensor, value: Tensor, *, softmax_scale:
                     softmax_aux: Optional[Tensor] = None, q_segment_ids: Optional[Tensor] = None,
                     kv_segment_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, dropout_prob: float = 0.0, dropout_seed: Optional[int] = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, deterministic: bool = False):
     """Flash attention over BSHD tensors, forward and backward through the shared Triton kernels.
 
     Args:
@@ -605,6 +608,10 @@ def flash_attention(query: Tensor, key: Tensor, value: Tensor, *, softmax_scale:
         dropout_prob, dropout_seed: dropout on the probabilities; the mask is a pure function of
             (seed, b, h, i, j). seed None draws one from torch's default generator.
         return_lse: also return the float32 log-sum-exp (B, Hq, Sq), differentiable.
+        deterministic: a backward whose gradients are bitwise reproducible run to run.  The one-pass
+            Hopper backward adds dQ tiles with atomics (order varies); deterministic=True takes the
+            two-pass kernels instead (about 10% slower backward at long sequences).  Also on under
+            torch.use_deterministic_algorithms(True).
 
     Returns:
         out (B, Sq, Hq, Dv) in query's dtype, or (out, lse). Fully masked rows give 0 (lse -inf).
@@ -612,19 +619,22 @@ def flash_attention(query: Tensor, key: Tensor, value: Tensor, *, softmax_scale:
     return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, attention_mask=attention_mask, bias=bias,
-                 dropout_prob=dropout_prob, dropout_seed=dropout_seed, return_lse=return_lse)
+                 dropout_prob=dropout_prob, dropout_seed=dropout_seed, return_lse=return_lse,
+                 deterministic=deterministic)
 
 
 def flash_attn_varlen_func(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: Optional[float] = None,
                            causal: bool = False, sliding_window=None, logits_soft_cap: Optional[float] = None,
                            softmax_aux: Optional[Tensor] = None, dropout_prob: float = 0.0,
-                           dropout_seed: Optional[int] = None, return_lse: bool = False):
+                           dropout_seed: Optional[int] = None, return_lse: bool = False,
+                           deterministic: bool = False):
     """Packed variable-length attention, as flash-attn's flash_attn_varlen_func.
 
     query (total_q, Hq, D), key/value (total_k, Hkv, D/Dv); cu_seqlens_* int32 (n_seqs + 1,)
     cumulative lengths. Each sequence is attended independently, with its own bottom-right
-    causal alignment. Returns out (total_q, Hq, Dv) [and lse (Hq, total_q)].
+    causal alignment. Returns out (total_q, Hq, Dv) [and lse (Hq, total_q)].  deterministic: as
+    flash_attention's.
     """
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
@@ -633,7 +643,8 @@ def flash_attn_varlen_func(query: Tensor, key: Tensor, value: Tensor, cu_seqlens
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=None,
                  kv_segment_ids=None, attention_mask=None, bias=None, dropout_prob=dropout_prob,
                  dropout_seed=dropout_seed, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
-                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                 deterministic=deterministic)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,

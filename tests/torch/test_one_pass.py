@@ -241,3 +241,73 @@ def test_gluon_compiles_after_an_interpreted_launch(tmp_path):
     run = subprocess.run([sys.executable, "-c", _COMPILE_AFTER_INTERPRETING], cwd=here, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_deterministic_takes_the_two_pass_backward():
+    """deterministic=True: no one-pass backward (its dQ tiles meet in atomics), even where it applies."""
+    shapes, options, strides, config = gluon_problem()
+    plan = flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                    num_sms=132, deterministic=True)
+    assert plan.dkdv.kernel != ONE_PASS and "dq_accum" not in plan.dq.inputs
+
+
+def _planned_deterministic(monkeypatch) -> list:
+    """The `deterministic` every plan_backward call gets from then on."""
+    seen, real = [], flash_plan.plan_backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    return seen
+
+
+def test_deterministic_reaches_the_backward_plan(monkeypatch):
+    """Both front ends hand `deterministic` (and torch's use_deterministic_algorithms) to the plan."""
+    import jax
+    import jax.numpy as jnp
+    from dualattn import jax_api
+    from dualattn.torch_api import flash_attention
+    seen = _planned_deterministic(monkeypatch)
+    q, k, v = (torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
+    for flag in (False, True):
+        flash_attention(q, k, v, causal=True, deterministic=flag).sum().backward()
+    torch.use_deterministic_algorithms(True)
+    try:   # (another length: the True call's plan above would be reused)
+        flash_attention(*(t[:, :16] for t in (q, k, v)), causal=True).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    qj, kj, vj = (jnp.asarray(t.detach().numpy()) for t in (q, k, v))
+    for flag in (False, True):
+        jax.grad(lambda x: jax_api.flash_attention(x, kj, vj, causal=True, backend="triton",
+                                                   deterministic=flag).sum())(qj)
+    assert seen == [False, True, True, False, True]
+    with pytest.raises(TypeError, match="deterministic"):
+        flash_attention(q, k, v, deterministic="yes")
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_gradients_are_bitwise_reproducible(monkeypatch, seed):
+    """Where the one-pass backward would run, deterministic=True gives the same bits twice (torch and jax)."""
+    _require_sm90()
+    import jax
+    import jax.numpy as jnp
+    from dualattn import jax_api
+    from dualattn.torch_api import flash_attention
+    monkeypatch.delenv(flash_plan.ONE_PASS_ENV)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    kernels = spy_kernels(monkeypatch)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        runs.append(torch.autograd.grad(flash_attention(*leaves, deterministic=True), leaves, do))
+    assert ONE_PASS not in kernels and kernels, kernels
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    qj, kj, vj, doj = (jnp.asarray(t.float().cpu().numpy(), dtype=jnp.bfloat16) for t in (q, k, v, do))
+    grad = jax.jit(jax.grad(lambda *x: (jax_api.flash_attention(*x, backend="triton", deterministic=True)
+                                        .astype(jnp.float32) * doj).sum(), argnums=(0, 1, 2)))
+    first, second = grad(qj, kj, vj), grad(qj, kj, vj)
+    for a, b in zip(first, second):
+        assert bool((a == b).all())

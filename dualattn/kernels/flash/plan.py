@@ -776,7 +776,8 @@ class BackwardPlan:
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
-                  gluon: bool = False, env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
+                  gluon: bool = False, deterministic: bool = False,
+                  env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
@@ -786,6 +787,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     them); problems one_pass_backward accepts then get the one-pass backward: `dkdv` computes dK,
     dV and an fp32 dQ accumulator ('dq_accum'), which `dq` takes as input and casts.  Launchers
     pass dkdv's results to dq.
+    deterministic: no one-pass backward (its dQ tiles meet in fp32 atomics, in varying order); the
+    two-pass kernels write every gradient tile from one program, so reruns are bitwise equal.
     """
     config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
@@ -824,7 +827,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
     v_shape = k_shape[:-1] + (shapes.head_dim_v,)
     one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs,
-                                 dict(env).get(ONE_PASS_ENV)) if gluon else None
+                                 dict(env).get(ONE_PASS_ENV)) if gluon and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
                                       one_pass, num_sms, dict(env).get(PERSISTENT_ENV))
