@@ -18,6 +18,7 @@ import torch
 import triton
 
 import dualattn.torch_api as dt
+from dualattn import switches
 from dualattn.kernels.flash import plan as flash_plan
 
 # (block_m, block_n, warps, stages); tiles that do not fit in shared memory are skipped.
@@ -60,10 +61,10 @@ def tune(head_dim, heads, seqlen, batch, causal, log, backward=True, part=None):
     problem = dict(d=head_dim, s=seqlen, causal=causal)
     if part is None:  # the default launch, warp-specialised where the plan takes it
         flash_plan.default_config = _heuristics
-        os.environ.pop("DUALATTN_WS", None)
+        switches.set_switches(DUALATTN_WS=None)
         _report(log, "fwd", "default", flops, _time_fwd(None, q, k, v, causal), problem)
         _report(log, "bwd", "default", 2.5 * flops, _time_bwd(None, None, None, q, k, v, do, causal), problem)
-    os.environ["DUALATTN_WS"] = "0"
+    switches.set_switches(DUALATTN_WS="0")   # the tiles tuned here: portable kernels
     best_fwd = min(mine(FWD), key=lambda c: _report(log, "fwd", c, flops, _time_fwd(c, q, k, v, causal), problem))
     if not backward:
         return best_fwd, DKDV[0], DQ[0]

@@ -10,6 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 
 # tests/reference.py is imported as `reference` from every test folder, whatever the import mode.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -89,7 +90,7 @@ def forward_plan_flags(monkeypatch):
         from dualattn.kernels.flash import plan as flash_plan
         flags, real = [], flash_plan.plan_forward
         # The Triton forward's flags: not the Gluon forward's (tests/torch/test_gluon_forward.py).
-        monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "0")
+        set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "0")
 
         def spy(*args, **kwargs):
             launch = real(*args, **kwargs)
@@ -109,7 +110,7 @@ def launch_flags(monkeypatch, forward_plan_flags):
         from dualattn.kernels.flash import plan as flash_plan
         flags, real = forward_plan_flags(name), flash_plan.plan_backward
         # The two-pass kernels' flags: not the one-pass Gluon backward (tests/torch/test_one_pass.py).
-        monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "0")
+        set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "0")
 
         def spy(*args, **kwargs):
             plan = real(*args, **kwargs)

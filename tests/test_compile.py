@@ -26,6 +26,7 @@ from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.validation import check_flash_args  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 
 ARCHS = (90, 80)
 # cudaDevAttrMaxSharedMemoryPerBlockOptin: Triton's launcher raises OutOfResources above it.
@@ -266,7 +267,7 @@ def test_edges_in_loop_rule(monkeypatch):
     """The portable kernels run a causal or window band's masked edges in their one loop up to
     plan.EDGES_IN_LOOP_MAX_KEYS keys of band; not with per-element masks or block-sparse lists; never in
     warp-specialised launches."""
-    monkeypatch.delenv("DUALATTN_EDGES_IN_LOOP", raising=False)
+    set_switch(monkeypatch, "DUALATTN_EDGES_IN_LOOP", None)
     for v, expected in ((Variant("causal-2048", causal=True, sq=2048, sk=2048), True),
                         (Variant("causal-4096", causal=True, sq=4096, sk=4096), False),
                         (Variant("no-band", sq=1024, sk=1024), False),

@@ -260,3 +260,11 @@ def test_hand_made_sparse_lists_are_checked():
     for field, value in bad.items():
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(layout, **{field: value})
+
+
+def test_empty_batch_with_sinks_backward():
+    """B = 0 with sinks: empty gradients and zero dsinks, no division by the empty batch."""
+    q = torch.zeros(0, 8, 2, 16, requires_grad=True)
+    sinks = torch.zeros(2, requires_grad=True)
+    dt.flash_attention(q, q, q, softmax_aux=sinks).sum().backward()
+    assert q.grad.shape == q.shape and torch.equal(sinks.grad, torch.zeros(2))

@@ -113,9 +113,11 @@ def use_triton_ptxas(arch: int = 90) -> str:
 
 def apply_env(arch: int) -> None:
     """Honour DUALATTN_JAX_PTXAS (the JAX launcher calls this before its first Triton launch)."""
-    choice = os.environ.get(ENV, "").strip().lower()
+    from .. import switches
+    value = switches.current().get(ENV) or ""
+    choice = value.strip().lower()
     if choice == "triton":
         use_triton_ptxas(arch)
     elif choice not in ("", "xla"):
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 'triton' (Triton's ptxas for dualattn's kernels) "
+        raise ValueError(f"{ENV}={value!r}: expected 'triton' (Triton's ptxas for dualattn's kernels) "
                          "or 'xla' (jaxlib's choice, the default)")

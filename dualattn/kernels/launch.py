@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional, Tuple
 
 
@@ -110,7 +109,8 @@ def sm_count(device_index: Optional[int]) -> int:
     """Streaming multiprocessors of CUDA device `device_index` (None: the CPU interpreter, which has
     none), asked through Triton's driver so both front ends see the same number.  DUALATTN_NUM_SMS
     overrides it (tests run persistent launches in the interpreter with it)."""
-    override = os.environ.get(NUM_SMS_ENV)
+    from .. import switches   # (kernels/ imports nothing of the package at import time)
+    override = switches.current().get(NUM_SMS_ENV)
     if override:
         return int(override)
     return 0 if device_index is None else _device_sms(device_index)

@@ -20,10 +20,11 @@ from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.validation import FlashShapes  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 
 
 def _one_pass_plan(monkeypatch, b=1, s=4096, hq=8, hkv=2, d=128, causal=True):
-    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "1")
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")
     shapes = FlashShapes(b, s, s, hq, hkv, d, d, "bfloat16")
     strides = {n: row_major_strides((b, s, h, d)) for n, h in
                (("query", hq), ("key", hkv), ("value", hkv), ("out", hq))}

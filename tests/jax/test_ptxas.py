@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from dualattn.jax_api import ptxas
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 
 
 def _fake_ptxas(path, name, log):  # records "<name> <args>" in log
@@ -97,17 +98,14 @@ def test_env_choice(monkeypatch, tmp_path, value, routed):
     _fake_ptxas(real / "ptxas", "real", tmp_path / "log")
     monkeypatch.setenv("PATH", str(real))
     monkeypatch.setattr(ptxas, "_ROUTER_DIR", None)
-    if value is None:
-        monkeypatch.delenv(ptxas.ENV, raising=False)
-    else:
-        monkeypatch.setenv(ptxas.ENV, value)
+    set_switch(monkeypatch, ptxas.ENV, value)
     ptxas.apply_env(90)
     head = os.environ["PATH"].split(os.pathsep)[0]
     assert os.path.basename(head).startswith(ptxas._PREFIX) == routed
 
 
 def test_env_rejects_unknown_value(monkeypatch):
-    monkeypatch.setenv(ptxas.ENV, "cuda13")
+    set_switch(monkeypatch, ptxas.ENV, "cuda13")
     with pytest.raises(ValueError, match=ptxas.ENV):
         ptxas.apply_env(90)
 

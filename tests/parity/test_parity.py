@@ -14,6 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dualattn.jax_api as dj  # noqa: E402
 import dualattn.torch_api as dt  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from reference import assert_close_rel, dropout_keep_reference, numpy_reference_with_grads, relative_error  # noqa: E402
 
 # (name, shapes (B, Sq, Sk, Hq, Hkv, D), options): each combination users hit.
@@ -167,7 +168,7 @@ def warp_specialize_everything(monkeypatch):
     """DUALATTN_WS=1 with the speed rules off (plan.WS_MIN_KEY_WORK, split_band_pays): the
     interpreter's small problems take the warp-specialised kernels and split every band."""
     from dualattn.kernels.flash import plan as flash_plan
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     for rule in ("WS_MIN_KEY_WORK", "WS_SPLIT_MIN_KEYS", "WS_SPLIT_MIN_HEAD_DIM"):
         monkeypatch.setattr(flash_plan, rule, 0)
     flash_plan.forget_plans()   # memoised under the other rules
@@ -188,7 +189,7 @@ def test_warp_specialized_kernels_bitwise_in_both_frameworks_interpreted(causal,
     programs take two rounds, the second in reverse (rules.program_tile)."""
     shapes, opts = (1, 256, 256, 2, 2, 128), dict(causal=causal)
     if num_sms is not None:
-        monkeypatch.setenv("DUALATTN_NUM_SMS", num_sms)
+        set_switch(monkeypatch, "DUALATTN_NUM_SMS", num_sms)
     persistent = num_sms is not None
     plan = warp_specialize_everything
     launches, backwards, real_fwd, real_bwd = [], [], plan.plan_forward, plan.plan_backward
@@ -262,10 +263,7 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
     through jax_api/_gluon.py (the one-pass dQ is the one result that is not bitwise
     reproducible, below)."""
     for name, value in BACKWARDS[backward].items():
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+        set_switch(monkeypatch, name, value)
     one_pass = backward == "one-pass" and torch.cuda.get_device_capability() == (9, 0)
     b, s, h, d, causal, expected = case
     if backward == "two-pass" and torch.cuda.get_device_capability()[0] == 9:

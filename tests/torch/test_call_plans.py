@@ -13,6 +13,7 @@ from dualattn import executor as ex  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.validation import check_flash_args  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 
 SHAPE = (1, 48, 2, 32)
 
@@ -72,7 +73,7 @@ def test_environment_switches_and_executor_state_plan_again(plans, torch_gen, mo
     q, k, v = qkv(torch_gen)
     heuristic = flash_plan.default_config(check_flash_args(q, k, v), interpret=True, causal=True)
     dt.flash_attention(q, k, v, causal=True)
-    monkeypatch.setenv(flash_plan.EDGES_IN_LOOP_ENV, "0")
+    set_switch(monkeypatch, flash_plan.EDGES_IN_LOOP_ENV, "0")
     dt.flash_attention(q, k, v, causal=True)
     assert plans["forward"] == [heuristic, heuristic]
 

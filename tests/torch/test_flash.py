@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dualattn.torch_api import dropout_keep_mask, flash_attention, flash_attn_varlen_func  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from reference import (assert_close_rel, dropout_keep_reference, reference_attention,  # noqa: E402
                        reference_varlen)
 
@@ -241,7 +242,7 @@ def edge_layout_flags(monkeypatch, launch_flags):
     from dualattn.kernels.flash import plan as flash_plan
 
     def use(in_loop: bool) -> list:
-        monkeypatch.delenv("DUALATTN_EDGES_IN_LOOP", raising=False)
+        set_switch(monkeypatch, "DUALATTN_EDGES_IN_LOOP", None)
         monkeypatch.setattr(flash_plan, "EDGES_IN_LOOP_MAX_KEYS", 1 << 30 if in_loop else 0)
         flash_plan.forget_plans()   # memoised under the other rule
         return launch_flags("EDGES_IN_LOOP")

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from dualattn.torch_api import flash_attention, flash_attn_varlen_func  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from reference import assert_close_rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -108,7 +109,7 @@ def test_gpu_cached_launch_keeps_variants_apart(monkeypatch):
     # keyed on what Triton specialises on: a base pointer off 16-byte alignment must get its own
     # variant (the aligned one would fault or read wrong rows), and repeated calls the same bits.
     # (Without warp specialisation, which a misaligned base cannot take: the same tiles both ways.)
-    monkeypatch.setenv("DUALATTN_WS", "0")
+    set_switch(monkeypatch, "DUALATTN_WS", "0")
     from dualattn.torch_api import _launch
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 512, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))

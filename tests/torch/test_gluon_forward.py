@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from plan_spy import spy_kernels  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from test_one_pass import check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
 
 GLUON_FWD = "flash_fwd_gluon_kernel"
@@ -24,7 +25,7 @@ GLUON_FWD = "flash_fwd_gluon_kernel"
 @pytest.fixture(autouse=True)
 def default_switches(monkeypatch):
     for name in (flash_plan.GLUON_FWD_ENV, flash_plan.PERSISTENT_ENV, "DUALATTN_WS"):
-        monkeypatch.delenv(name, raising=False)
+        set_switch(monkeypatch, name, None)
 
 
 def _plan(gluon=True, k_strides=None, num_sms=132, **kwargs):
@@ -56,7 +57,7 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
                    dict(dtype="float32"), dict(logits_soft_cap=5.0), dict(dropout_prob=0.1),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
-    monkeypatch.setenv(flash_plan.GLUON_FWD_ENV, "0")
+    set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "0")
     assert _plan(causal=True).kernel == "flash_fwd_kernel"
     assert _plan().kernel == "flash_fwd_kernel"
 

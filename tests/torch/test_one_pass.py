@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.validation import FlashShapes  # noqa: E402
@@ -30,8 +31,8 @@ ONE_PASS = "flash_bwd_one_pass_kernel"
 def one_pass_at_any_length(monkeypatch):
     """DUALATTN_ONE_PASS=1: the one-pass kernel whatever the keys (plan.ONE_PASS_MIN_KEYS is a speed
     rule; these tests are about the kernel), unless a test says otherwise."""
-    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "1")
-    monkeypatch.delenv(flash_plan.PERSISTENT_ENV, raising=False)
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, None)
 
 
 def gluon_problem(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", strides=None, **opts):
@@ -86,7 +87,7 @@ def test_plan_keeps_the_two_pass_backward(why, kwargs):
 
 
 def test_one_pass_off_with_env(monkeypatch):
-    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "0")
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "0")
     assert _plan().dkdv.kernel == "flash_bwd_dkdv_kernel"
 
 
@@ -95,7 +96,7 @@ def test_one_pass_speed_rules(monkeypatch):
     accumulator costs memory); non-causal persistent up to PERSISTENT_BWD_MAX_KEYS keys, causal
     persistent over pairs of key tiles wherever the key tiles pair up (DUALATTN_PERSISTENT=0 / 1
     turns it off / on)."""
-    monkeypatch.delenv(flash_plan.ONE_PASS_ENV)
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, None)
 
     def layout(s, causal=False, sq=None):
         plan = _plan(b=1, sq=sq or s, sk=s, causal=causal)
@@ -106,9 +107,9 @@ def test_one_pass_speed_rules(monkeypatch):
         False, "persistent", "persistent", "persistent", False]
     assert layout(33 * 128, causal=True) == "grid"   # 33 key tiles: one would be left without a pair
     assert layout(8192, causal=True, sq=4000) == "grid"   # a query tile would reach into the next batch
-    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "1")
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "1")
     assert layout(8192) == "persistent"
-    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "0")
     assert [layout(4096), layout(8192, causal=True)] == ["grid", "grid"]
 
 
@@ -175,7 +176,7 @@ GPU_CASES = {
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
 def test_gpu_one_pass_backward(case, monkeypatch, seed):
     _require_sm90()
-    monkeypatch.delenv("DUALATTN_WS", raising=False)
+    set_switch(monkeypatch, "DUALATTN_WS", None)
     kernels = spy_kernels(monkeypatch)
     check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"persistent": flash_plan.PERSISTENT_ENV})
     assert kernels == [ONE_PASS], kernels
@@ -189,7 +190,7 @@ def check_gpu_case(monkeypatch, case: dict, seed, env: dict):
     dtype = c.pop("dtype", torch.bfloat16)
     for key, name in {"num_sms": "DUALATTN_NUM_SMS", **env}.items():
         if key in c:
-            monkeypatch.setenv(name, c.pop(key))
+            set_switch(monkeypatch, name, c.pop(key))
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=dtype, seed=seed, tol=1e-2, **c)
 
@@ -204,7 +205,7 @@ def test_gpu_one_pass_matches_two_pass(monkeypatch, seed):
     kernels = spy_kernels(monkeypatch)
     grads = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(flash_plan.ONE_PASS_ENV, flag)
+        set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, flag)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = flash_attention(*leaves, causal=True)
         grads[flag] = torch.autograd.grad(out, leaves, do)
@@ -294,7 +295,7 @@ def test_gpu_deterministic_gradients_are_bitwise_reproducible(monkeypatch, seed)
     import jax.numpy as jnp
     from dualattn import jax_api
     from dualattn.torch_api import flash_attention
-    monkeypatch.delenv(flash_plan.ONE_PASS_ENV)
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, None)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
     kernels = spy_kernels(monkeypatch)

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from dualattn import SparseMask, masks  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.torch_api import blocksparse_attention, flash_attention, flash_attn_varlen_func  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 
 
 def _grads(fn, inputs, dout):
@@ -40,10 +41,10 @@ def _tma_flags(monkeypatch, fn, inputs, dout):
 
     monkeypatch.setattr(flash_plan, "plan_forward", fwd)
     monkeypatch.setattr(flash_plan, "plan_backward", bwd)
-    monkeypatch.setenv("DUALATTN_WS", "0")   # the same forward tiles in both runs (test_warp_specialize.py)
-    monkeypatch.setenv("DUALATTN_TMA", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "0")   # the same forward tiles in both runs (test_warp_specialize.py)
+    set_switch(monkeypatch, "DUALATTN_TMA", "1")
     with_tma = _grads(fn, inputs, dout)
-    monkeypatch.setenv("DUALATTN_TMA", "0")
+    set_switch(monkeypatch, "DUALATTN_TMA", "0")
     without = _grads(fn, inputs, dout)
     return with_tma, without, flags
 
@@ -91,17 +92,17 @@ def test_tma_matches_pointer_loads_varlen_interpreted(monkeypatch):
 
 def test_tma_is_opt_in(monkeypatch, forward_plan_flags):
     flags = forward_plan_flags("TMA")
-    monkeypatch.delenv("DUALATTN_TMA", raising=False)
+    set_switch(monkeypatch, "DUALATTN_TMA", None)
     q = torch.randn(1, 32, 2, 16)
     flash_attention(q, q, q)
-    monkeypatch.setenv("DUALATTN_TMA", "1")
+    set_switch(monkeypatch, "DUALATTN_TMA", "1")
     flash_attention(q, q, q)
     assert flags == [False, True]
 
 
 def test_misaligned_base_takes_pointer_loads(monkeypatch, forward_plan_flags):
     # A view starting 2 elements in is not 16-byte aligned: TMA would fault, so the plan must not use it.
-    monkeypatch.setenv("DUALATTN_TMA", "1")
+    set_switch(monkeypatch, "DUALATTN_TMA", "1")
     flags = forward_plan_flags("TMA")
     buf = torch.randn(2 * 32 * 2 * 16 + 2)
     q = buf[2:].view(2, 32, 2, 16)

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.torch_api import flash_attention  # noqa: E402
+from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from reference import assert_close_rel, reference_attention  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def split_every_band(monkeypatch):
     about the two launches' numbers, on shapes small enough for the interpreter."""
     monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_KEYS", 0)
     monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_HEAD_DIM", 0)
-    monkeypatch.setenv(flash_plan.WS_BAND_ENV, "0")   # not the persistent band-in-loop forward instead
+    set_switch(monkeypatch, flash_plan.WS_BAND_ENV, "0")   # not the persistent band-in-loop forward instead
     flash_plan.forget_plans()   # memoised under the other rule
     yield
     flash_plan.forget_plans()
@@ -77,7 +78,7 @@ SPLIT_CASES = {
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_warp_specialized_forward_interpreted(case, monkeypatch, forward_plan_flags, seed):
     c = dict(CPU_CASES[case])
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     flags = forward_plan_flags("WARP_SPECIALIZE")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
@@ -87,7 +88,7 @@ def test_warp_specialized_forward_interpreted(case, monkeypatch, forward_plan_fl
 @pytest.mark.parametrize("case", sorted(SPLIT_CASES))
 def test_split_band_forward_interpreted(case, monkeypatch, forward_plan_flags, split_every_band, seed):
     c = dict(SPLIT_CASES[case])
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     ws, split = forward_plan_flags("WARP_SPECIALIZE"), forward_plan_flags("SPLIT_BAND")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
@@ -120,7 +121,7 @@ PERSISTENT_CASES = {
 def _check_persistent(case, env, monkeypatch, forward_plan_flags, **check):
     """The case against the reference, with the forward planned persistent and warp-specialised in one launch."""
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        set_switch(monkeypatch, name, value)
     layout = _forward_layout(forward_plan_flags)
     c = dict(case)
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
@@ -138,8 +139,8 @@ def test_persistent_forward_interpreted(case, monkeypatch, forward_plan_flags, s
 def test_persistent_forward_rules(monkeypatch):
     """Persistent only with more tiles than SMs; bands in the loop only with whole tiles."""
     from test_compile import Variant
-    monkeypatch.delenv(flash_plan.WS_BAND_ENV, raising=False)
-    monkeypatch.delenv(flash_plan.PERSISTENT_ENV, raising=False)
+    set_switch(monkeypatch, flash_plan.WS_BAND_ENV, None)
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, None)
 
     def layout(**kw):
         launch = Variant("v", ws=True, **kw).launch("fwd", 90)[0]
@@ -156,13 +157,13 @@ def test_persistent_forward_rules(monkeypatch):
     assert layout(**s1024, d=64, causal=True, num_sms=100)[:2] == (False, False)  # D=64 band: portable
     assert layout(sq=4096, sk=4096, batch=1, hq=16, causal=True, num_sms=100)[:2] == (False, False)  # > 2048 keys
     assert layout(sq=1024, sk=8192, batch=2, hq=16, num_sms=100) == (True, False, 0, False)  # long: the grid
-    monkeypatch.setenv(flash_plan.WS_BAND_ENV, "1")
+    set_switch(monkeypatch, flash_plan.WS_BAND_ENV, "1")
     assert layout(**s1024, d=64, causal=True, num_sms=100) == (True, True, 0, False)  # forced: band in the loop
     ragged = dict(sq=1024, sk=1000, batch=2, hq=16, causal=True, num_sms=100)
     assert layout(**ragged)[:2] == (False, False)                        # partial key tile: no band in the loop
-    monkeypatch.setenv(flash_plan.WS_BAND_ENV, "0")
+    set_switch(monkeypatch, flash_plan.WS_BAND_ENV, "0")
     assert layout(**s1024, causal=True, num_sms=100)[:2] == (False, False)   # off: the portable forward
-    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "0")
     assert layout(**s1024, num_sms=100)[:2] == (False, False)            # as before persistence
 
 
@@ -171,7 +172,7 @@ def _spy_backward(monkeypatch, *names) -> list:
     value for one name, its tuple of values for several."""
     flags, real = [], flash_plan.plan_backward
     # The two-pass kernels: on sm_90 the one-pass Gluon backward would replace them (test_one_pass.py).
-    monkeypatch.setenv(flash_plan.ONE_PASS_ENV, "0")
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "0")
 
     def spy(*args, **kwargs):
         plan = real(*args, **kwargs)
@@ -223,7 +224,7 @@ BWD_CASES = {
 def test_warp_specialized_backward_interpreted(case, monkeypatch, backward_plan_flags, specialise_small_problems,
                                                seed):
     c, want = dict(BWD_CASES[case][0]), BWD_CASES[case][1]
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cpu", dtype=torch.float16, seed=seed, tol=2e-3, **c)
     assert backward_plan_flags == [want], backward_plan_flags
@@ -256,7 +257,7 @@ def _check_persistent_backward(case, monkeypatch, **check):
     """The case against the reference with DUALATTN_NUM_SMS=3, checking each backward kernel's
     (warp-specialised, persistent) layout."""
     c, want = dict(PERSISTENT_BWD_CASES[case][0]), PERSISTENT_BWD_CASES[case][1]
-    monkeypatch.setenv("DUALATTN_NUM_SMS", "3")
+    set_switch(monkeypatch, "DUALATTN_NUM_SMS", "3")
     layouts = _spy_backward(monkeypatch, "WARP_SPECIALIZE", "PERSISTENT")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), **check, **c)
@@ -265,7 +266,7 @@ def _check_persistent_backward(case, monkeypatch, **check):
 
 @pytest.mark.parametrize("case", sorted(PERSISTENT_BWD_CASES))
 def test_persistent_backward_interpreted(case, monkeypatch, seed):
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     _check_persistent_backward(case, monkeypatch, device="cpu", dtype=torch.float16, seed=seed, tol=2e-3)
 
 
@@ -275,7 +276,7 @@ def test_gpu_persistent_backward(case, monkeypatch, seed):
     """The same small cases on the H100, with 3 persistent programs (the GPU's own SM count:
     test_gpu_persistent_backward_at_size)."""
     _require_sm90()
-    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    set_switch(monkeypatch, "DUALATTN_WS", None)   # the default
     _check_persistent_backward(case, monkeypatch, device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2)
 
 
@@ -289,8 +290,8 @@ GPU_PERSISTENT_BWD_AT_SIZE = [(2, 2048, 8, 128, False), (2, 2048, 8, 128, True),
 def test_gpu_persistent_backward_at_size(case, monkeypatch, seed):
     _require_sm90()
     b, s, h, d, causal = case
-    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
-    monkeypatch.delenv("DUALATTN_NUM_SMS", raising=False)
+    set_switch(monkeypatch, "DUALATTN_WS", None)   # the default
+    set_switch(monkeypatch, "DUALATTN_NUM_SMS", None)
     layouts = _spy_backward(monkeypatch, "WARP_SPECIALIZE", "PERSISTENT")
     _check_against_reference(b, s, s, h, h, d, dict(causal=causal), device="cuda", dtype=torch.bfloat16, seed=seed,
                              tol=1e-2)
@@ -307,12 +308,12 @@ def test_persistent_backward_rule(monkeypatch):
         _, bwd, _ = Variant("rule", sq=sq, sk=sq, causal=causal, ws=True, num_sms=num_sms).build(90)
         return tuple((k.constexpr_dict["WARP_SPECIALIZE"], k.constexpr_dict["PERSISTENT"]) for k in (bwd.dkdv, bwd.dq))
 
-    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "0")
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "0")
     assert layout(1024, True, 10) == ((False, False), (False, False))    # the work bar again
     assert layout(4096, False, 10) == ((True, False), (True, False))
-    monkeypatch.setenv(flash_plan.PERSISTENT_ENV, "1")
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "1")
     assert layout(8192, True, 10) == ((True, True), (True, True))
-    monkeypatch.delenv(flash_plan.PERSISTENT_ENV)
+    set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, None)
     # (Variant: B=2, H=4, so S=1024 has 64 tiles a kernel.)
     for sq, causal, num_sms, want in ((1024, True, 10, (True, True)), (1024, True, 0, (False, False)),
                                       (1024, True, 64, (False, False)), (8192, False, 10, (True, False)),
@@ -326,17 +327,17 @@ def test_persistent_backward_rule(monkeypatch):
 def test_warp_specialize_off_by_default_on_cpu_and_with_ws_0(monkeypatch, forward_plan_flags):
     flags = forward_plan_flags("WARP_SPECIALIZE")
     q = torch.randn(1, 2048, 1, 128, dtype=torch.float16)
-    monkeypatch.delenv("DUALATTN_WS", raising=False)
+    set_switch(monkeypatch, "DUALATTN_WS", None)
     flash_attention(q, q, q)
-    monkeypatch.setenv("DUALATTN_WS", "0")
+    set_switch(monkeypatch, "DUALATTN_WS", "0")
     flash_attention(q, q, q)
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     flash_attention(q, q, q)
     assert flags == [False, False, True]
 
 
 def test_misaligned_base_keeps_the_portable_forward(monkeypatch, forward_plan_flags):
-    monkeypatch.setenv("DUALATTN_WS", "1")
+    set_switch(monkeypatch, "DUALATTN_WS", "1")
     flags = forward_plan_flags("WARP_SPECIALIZE")
     buf = torch.randn(2048 * 128 + 2, dtype=torch.float16)
     q = buf[2:].view(1, 2048, 1, 128)
@@ -368,7 +369,7 @@ GPU_SPLIT_CASES = {
 def test_gpu_warp_specialized_forward(case, monkeypatch, forward_plan_flags, seed):
     _require_sm90()
     c = dict(GPU_CASES[case])
-    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    set_switch(monkeypatch, "DUALATTN_WS", None)   # the default
     flags = forward_plan_flags("WARP_SPECIALIZE")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
@@ -394,7 +395,7 @@ GPU_PERSISTENT_CASES = {   # (case, environment)
 def test_gpu_persistent_forward(case, monkeypatch, forward_plan_flags, seed):
     _require_sm90()
     c, env = GPU_PERSISTENT_CASES[case]
-    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    set_switch(monkeypatch, "DUALATTN_WS", None)   # the default
     _check_persistent(c, env, monkeypatch, forward_plan_flags, device="cuda", dtype=torch.bfloat16, seed=seed,
                       tol=1e-2)
 
@@ -404,7 +405,7 @@ def test_gpu_persistent_forward(case, monkeypatch, forward_plan_flags, seed):
 def test_gpu_split_band_forward(case, monkeypatch, forward_plan_flags, split_every_band, seed):
     _require_sm90()
     c = dict(GPU_SPLIT_CASES[case])
-    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    set_switch(monkeypatch, "DUALATTN_WS", None)   # the default
     ws, split = forward_plan_flags("WARP_SPECIALIZE"), forward_plan_flags("SPLIT_BAND")
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
@@ -434,7 +435,7 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
 def test_gpu_warp_specialized_backward(case, monkeypatch, backward_plan_flags, seed):
     _require_sm90()
     c, want = dict(GPU_BWD_CASES[case][0]), GPU_BWD_CASES[case][1]
-    monkeypatch.delenv("DUALATTN_WS", raising=False)   # the default
+    set_switch(monkeypatch, "DUALATTN_WS", None)   # the default
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=torch.bfloat16, seed=seed, tol=1e-2, **c)
     assert backward_plan_flags == [want], backward_plan_flags

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from typing import Dict, Optional, Tuple
 
+from ... import switches
 from ...options import FlashOptions
 from ...validation import FlashShapes
-from ..launch import NUM_SMS_ENV, Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
+from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
 
 SPARSE_INPUTS = ("sparse_kv_count", "sparse_kv_index", "sparse_q_order", "sparse_q_count", "sparse_q_index",
                  "sparse_k_order")
@@ -80,7 +80,7 @@ TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
     "sm90:d64:full": ((64, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 3)),
     "sm90:d64:causal": ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)),
 }
-TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (tuning runs)
+TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (switches.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +111,7 @@ def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, caus
         # The interpreter pays per tile op, not per element: big tiles, no pipelining.
         t = TileConfig(64, 64, 4, 1)
         return FlashConfig(t, t, t)
-    table = _tuned_table(os.environ.get(TUNED_FILE_ENV))
+    table = _tuned_table(switches.current().get(TUNED_FILE_ENV))
     tuned = table.get(tuned_key(arch, d, causal, max(shapes.seqlen_q, shapes.seqlen_k)),
                       table.get(tuned_key(arch, d, causal)))
     if shapes.dtype == "float32" and d > 64:
@@ -237,7 +237,7 @@ def tma_requested() -> bool:
     """Whether launchers ask for TMA tile loads in every kernel (the plan still checks each problem:
     _use_tma).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they measured no faster
     than pointer loads (benchmarks/NOTES.md step 13)."""
-    return os.environ.get("DUALATTN_TMA", "0") == "1"
+    return switches.current().get("DUALATTN_TMA") == "1"
 
 
 def warp_specialize_requested(arch: Optional[int]) -> bool:
@@ -246,7 +246,7 @@ def warp_specialize_requested(arch: Optional[int]) -> bool:
     they were tuned (NOTES steps 18-22).  DUALATTN_WS=0 turns them off (both frameworks then run
     the portable kernels); DUALATTN_WS=1 allows them wherever descriptors work, the interpreter
     included (tests)."""
-    flag = os.environ.get("DUALATTN_WS")
+    flag = switches.current().get("DUALATTN_WS")
     return flag == "1" or (flag != "0" and arch == 90)
 
 
@@ -325,8 +325,8 @@ def _memoised(plan_fn):
     @functools.wraps(plan_fn)
     def plan(shapes, options, strides, *, config, diag_shift=0, sparse=None, **flags):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
-        # (The environment switches the plans read are part of the key.)
-        flags["env"] = tuple((name, os.environ.get(name)) for name in PLAN_ENV)
+        # (The switches the plans read are part of the key.)
+        flags["env"] = switches.current()
         return cached(shapes, options, frozen, config, int(diag_shift), sparse,
                       tuple(sorted(flags.items())))
     _PLAN_CACHES.append(cached)
@@ -613,22 +613,18 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
         num_warps=GLUON_FWD_WARPS, num_stages=1)
 
 
-PLAN_ENV = (EDGES_IN_LOOP_ENV, PERSISTENT_ENV, WS_BAND_ENV, ONE_PASS_ENV, GLUON_FWD_ENV)
-# Every environment variable that planning a launch reads, here or in what launchers ask before
-# planning (tma_requested, warp_specialize_requested, sm_count, the tuned table).
-LAUNCH_ENV = PLAN_ENV + ("DUALATTN_TMA", "DUALATTN_WS", TUNED_FILE_ENV, NUM_SMS_ENV)
-
-
-def environment() -> tuple:
-    """The values of LAUNCH_ENV now: part of the key of a launcher's memo of planned calls."""
-    return tuple(map(os.environ.get, LAUNCH_ENV))
+def environment() -> switches.Switches:
+    """The switches now (dualattn/switches.py): part of the key of a launcher's memo of planned calls,
+    as they decide what planning a launch gives (here and in what launchers ask before planning:
+    tma_requested, warp_specialize_requested, sm_count, the tuned table)."""
+    return switches.current()
 
 
 @_memoised
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                  tma: bool = False, warp_specialize: bool = False, num_sms: int = 0, gluon: bool = False,
-                 env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> Launch:
+                 env: switches.Switches = switches.Switches()) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -642,7 +638,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     """
     config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
-    switch = dict(env)
+    switch = env
     if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
         return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms)
     persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
@@ -777,7 +773,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
                   gluon: bool = False, deterministic: bool = False,
-                  env: Tuple[Tuple[str, Optional[str]], ...] = ()) -> BackwardPlan:
+                  env: switches.Switches = switches.Switches()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
@@ -827,10 +823,10 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
     v_shape = k_shape[:-1] + (shapes.head_dim_v,)
     one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs,
-                                 dict(env).get(ONE_PASS_ENV)) if gluon and not deterministic else None
+                                 env.get(ONE_PASS_ENV)) if gluon and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
-                                      one_pass, num_sms, dict(env).get(PERSISTENT_ENV))
+                                      one_pass, num_sms, env.get(PERSISTENT_ENV))
         return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
     dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
@@ -840,10 +836,10 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     ws_tiles = min(cdiv(shapes.seqlen_k, WS_TILE.block_n) * shapes.heads_kv,
                    cdiv(shapes.seqlen_q, WS_TILE.block_m) * shapes.heads_q) * shapes.batch
     persistent = (warp_specialize and whole_array_tiles(shapes, scalars, constexprs)
-                  and persistent_backward(shapes, ws_tiles, num_sms, dict(env).get(PERSISTENT_ENV)))
+                  and persistent_backward(shapes, ws_tiles, num_sms, env.get(PERSISTENT_ENV)))
     ws_dkdv, ws_dq = (warp_specialized_backward(shapes, sparse, constexprs, persistent) if warp_specialize
                       else (None, None))
-    edges = edges_in_loop(shapes, options, sparse, constexprs, dict(env).get(EDGES_IN_LOOP_ENV))
+    edges = edges_in_loop(shapes, options, sparse, constexprs, env.get(EDGES_IN_LOOP_ENV))
 
     def persistent_grid(grid, t: TileConfig, warp_specialized: bool):
         """(grid, num_work, persistent) of a backward kernel: a program per SM where specialised,
@@ -987,6 +983,6 @@ def dbias_sum_dims(shapes: FlashShapes) -> Tuple[int, ...]:
 
 def dsinks_partial_view(shapes: FlashShapes, plan: "BackwardPlan") -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """(shape to view the partial dsinks as, axes to sum) giving (Hq, n), or (n,) for shared sinks."""
-    n_blocks = plan.dsinks_blocks // (shapes.batch * shapes.heads_q)
+    n_blocks = plan.dsinks_blocks // max(1, shapes.batch * shapes.heads_q)   # (B = 0: no blocks, dsinks 0)
     view = (shapes.batch, shapes.heads_q, n_blocks, max(1, shapes.num_sinks))
     return view, ((0, 2) if shapes.sinks_per_head else (0, 1, 2))
