@@ -7,6 +7,7 @@ AssertionError whose message names the check; any other exception is a failure t
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -316,6 +317,23 @@ def _loosened(tols, noise: float):
     return tuple(t + noise for t in tols)
 
 
+@functools.lru_cache(maxsize=None)
+def available_jax_backends(device: str) -> tuple:
+    """The jax backends that can run beside torch on `device`: none without jax; with --device cuda,
+    the Triton one only where jax itself runs on the GPU with jax-triton installed."""
+    try:
+        import jax
+    except ImportError:
+        return ()
+    if device == "cpu" or jax.default_backend() != "gpu":
+        return ("triton", "xla", "pallas") if jax.default_backend() == "cpu" else ("xla",)
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        return ("xla",)
+    return ("triton", "xla")
+
+
 def check_valid(c: dict, x: Inputs, device: str) -> dict:
     """Run and check one valid configuration; returns the relative errors by front end and quantity."""
     want = reference(c, x)
@@ -325,6 +343,9 @@ def check_valid(c: dict, x: Inputs, device: str) -> dict:
     errors["torch"] = compare("torch", got_torch, want,
                               _loosened(tolerances(device, c["dtype"]), logit_noise(c, x, device)), c, x, floors)
     for backend in c["jax"]:
+        if backend not in available_jax_backends(device):
+            errors[f"jax-{backend}"] = "not available"
+            continue
         got = run_jax(c, x, backend)
         tols = _loosened(tolerances(device, c["dtype"], backend), logit_noise(c, x, device, backend))
         lse = got[1] if c["return_lse"] else None

@@ -151,7 +151,9 @@ def summary(records: list, *, seed: int, device: str, start: int, wall: float, w
     for r in records:
         counts.update(features(r["config"]))
         for front, errs in (r.get("errors") or {}).items():
-            if isinstance(errs, dict):
+            if isinstance(errs, str):   # a jax backend this machine lacks
+                counts[f"{front} {errs}"] += 1
+            elif isinstance(errs, dict):
                 for q, e in errs.items():
                     key = f"{front}/{q}/{r['config']['dtype']}"
                     worst[key] = max(worst[key], e)
