@@ -260,3 +260,15 @@ def test_hand_made_sparse_lists_are_checked():
     for field, value in bad.items():
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(layout, **{field: value})
+
+
+def test_float_options_must_be_numbers():
+    """A string scale or cap is rejected naming the argument (float() would parse "0.5", or fail
+    with a message naming nothing); found by python -m dualattn.fuzz."""
+    q, x = torch.ones(1, 8, 1, 16), jnp.ones((1, 8, 1, 16))
+    for name, value in (("softmax_scale", "0.5"), ("softmax_scale", [0.5]), ("logits_soft_cap", "30"),
+                        ("logits_soft_cap", True)):
+        with pytest.raises(TypeError, match=name):
+            dt.flash_attention(q, q, q, **{name: value})
+        with pytest.raises(TypeError, match=name):
+            dj.flash_attention(x, x, x, backend="xla", **{name: value})
