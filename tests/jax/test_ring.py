@@ -84,10 +84,16 @@ SCRIPT = textwrap.dedent("""
             widen = 8 if n == "dsoftmax_aux" and dtype != "float32" else 1
             assert_close_rel(g, ref[n], 2 * widen * tol_ref, tag + " " + n + " vs f64")
 
-    check(4, "triton", "zigzag", "float32", causal=True, sinks=(4,))
-    check(4, "xla", "zigzag", "float32", causal=True, sliding_window=5, heads=(4, 1))
-    check(2, "triton", "contiguous", "bfloat16", sliding_window=(6, 2), logits_soft_cap=3.0, segments=True, sinks=(3,))
-    check(2, "xla", "zigzag", "float32", segments=True, sinks=(4, 2))
+    CASES = {
+        "xla": [dict(world=4, backend="xla", layout="zigzag", dtype="float32", causal=True, sliding_window=5,
+                     heads=(4, 1)),
+                dict(world=2, backend="xla", layout="zigzag", dtype="float32", segments=True, sinks=(4, 2))],
+        "triton": [dict(world=4, backend="triton", layout="zigzag", dtype="float32", causal=True, sinks=(4,)),
+                   dict(world=2, backend="triton", layout="contiguous", dtype="bfloat16", sliding_window=(6, 2),
+                        logits_soft_cap=3.0, segments=True, sinks=(3,))],
+    }
+    for spec in CASES[sys.argv[2]]:
+        check(**spec)
 
     # bad input: an unbound axis, a sequence zigzag cannot split
     x = jnp.zeros((1, 8, 2, 16))
@@ -110,11 +116,20 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_ring_attention_in_shard_map():
+def _run(cases: str):
     root = os.path.dirname(os.path.dirname(os.path.abspath(dualattn.__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
     env.pop("XLA_FLAGS", None)
-    res = subprocess.run([sys.executable, "-c", SCRIPT, TESTS_DIR], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, "-c", SCRIPT, TESTS_DIR, cases], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_ring_attention_in_shard_map_xla():
+    _run("xla")
+
+
+@pytest.mark.slow   # the interpreted kernels under shard_map: minutes on two cores
+def test_ring_attention_in_shard_map_triton():
+    _run("triton")
