@@ -5,10 +5,12 @@
 """
 from .options import FlashOptions, canonical_window
 from .sparse import SparseMask
+from .ring import ring_permutation
 
 __version__ = "0.1.0"
 
 __all__ = ["FlashOptions", "SparseMask", "canonical_window", "flash_attention", "__version__"]
+__all__ += ["ring_permutation"]
 
 
 def flash_attention(query, key, value, **kwargs):

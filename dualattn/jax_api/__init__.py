@@ -2,5 +2,7 @@
 from .blocksparse import blocksparse_attention  # noqa: F401
 from .flash import BACKENDS, flash_attention, flash_attention_varlen  # noqa: F401
 from .ptxas import use_triton_ptxas  # noqa: F401
+from .ring import ring_attention  # noqa: F401
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attention_varlen", "BACKENDS", "use_triton_ptxas"]
+__all__ += ["ring_attention"]

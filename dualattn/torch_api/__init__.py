@@ -1,6 +1,8 @@
 """PyTorch front end: torch.library ops + autograd over the shared Triton kernels."""
 from .blocksparse import blocksparse_attention  # noqa: F401
+from .ring import ring_attention  # noqa: F401
 from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func,  # noqa: F401
                     scaled_dot_product_attention)
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention", "dropout_keep_mask"]
+__all__ += ["ring_attention"]
