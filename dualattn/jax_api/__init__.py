@@ -4,3 +4,4 @@ from .flash import BACKENDS, flash_attention, flash_attention_varlen  # noqa: F4
 from .ptxas import use_triton_ptxas  # noqa: F401
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attention_varlen", "BACKENDS", "use_triton_ptxas"]
+from .nn import dot_product_attention  # noqa: F401,E402

@@ -4,3 +4,4 @@ from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func, 
                     scaled_dot_product_attention)
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention", "dropout_keep_mask"]
+from .modules import MultiheadAttention  # noqa: F401,E402
