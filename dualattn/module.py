@@ -285,11 +285,12 @@ class MaskInfo:
         return {k: v for k, v in given.items() if v is not None}
 
     def segment_layout(self, *, heads: int, seqlen_q: int, seqlen_k: int, causal: bool, sliding_window=None,
-                       block: int = AUTO_BLOCK) -> Optional[SparseMask]:
+                       block: Optional[int] = None) -> Optional[SparseMask]:
         """The layout of blocks the segment ids (and the causal/window band) leave active, or None when
         there are no segment ids or their values are not known now (traced).  Cached per arguments."""
         if self.q_segment_ids is None or _is_symbolic(self.q_segment_ids) or _is_symbolic(self.kv_segment_ids):
             return None
+        block = block or AUTO_BLOCK
         key = (heads, seqlen_q, seqlen_k, causal, sliding_window if not isinstance(sliding_window, list)
                else tuple(sliding_window), block)
         if key not in self._layouts:
@@ -303,7 +304,7 @@ class MaskInfo:
         return self._layouts[key]
 
     def block_density(self, *, heads: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
-                      sliding_window=None, block: int = AUTO_BLOCK) -> Optional[float]:
+                      sliding_window=None, block: Optional[int] = None) -> Optional[float]:
         """Active blocks of the layout (given, or built from the segment ids) over the blocks flash
         would visit (those the causal/window band touches); None when it cannot be known now."""
         layout = self.layout or self.segment_layout(heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -465,7 +466,7 @@ def _arguments(impl: Implementation, query, key, mask_info: Optional[MaskInfo], 
         if layout is None:   # no ids to build one from: the causal / window band
             band = _band_map(query.shape[1], key.shape[1], bool(options["causal"]), options["sliding_window"],
                              AUTO_BLOCK)
-            layout = SparseMask.from_block_map(band, AUTO_BLOCK, AUTO_BLOCK)
+            layout = SparseMask.from_block_map(band, AUTO_BLOCK, AUTO_BLOCK)   # (read at call time: tests shrink it)
         fields["layout"] = layout
     given.update(fields)
     unsupported = sorted(k for k in given if k not in impl.accepts)

@@ -151,19 +151,22 @@ def make_attention_fn(*, backend: str = "auto", is_causal: bool = False, sliding
             return None if x is None else jnp.reshape(x, (flat,) + x.shape[len(batch_dims):])
 
         def flatten_broadcast(x):
+            """(batch..., N|1, T|1, S|1), leading dims broadcastable, as (flat|1, N|1, T|1, S|1)."""
             if x is None:
                 return None
             x = jnp.asarray(x)
-            x = jnp.reshape(x, (1,) * (len(batch_dims) + 4 - x.ndim) + x.shape)   # Flax broadcasting
-            lead = x.shape[:len(batch_dims)]
-            x = jnp.broadcast_to(x, (batch_dims if any(d != 1 for d in lead) else (1,) * len(batch_dims))
-                                 + x.shape[len(batch_dims):])
-            return jnp.reshape(x, (flat if any(d != 1 for d in lead) else 1,) + x.shape[len(batch_dims):])
+            x = jnp.reshape(x, (1,) * (len(batch_dims) + 3 - x.ndim) + x.shape)   # Flax broadcasting
+            if all(d == 1 for d in x.shape[:len(batch_dims)]):
+                return jnp.reshape(x, (1,) + x.shape[len(batch_dims):])
+            x = jnp.broadcast_to(x, batch_dims + x.shape[len(batch_dims):])
+            return jnp.reshape(x, (flat,) + x.shape[len(batch_dims):])
 
         q, k, v = flatten(query), flatten(key), flatten(value)
         seqlen_q, heads, seqlen_k = q.shape[1], q.shape[2], k.shape[1]
         kwargs = {}
-        if mask is not None:
+        if mask is not None:   # Flax masks are often float 0/1: nonzero attends
+            mask = jnp.asarray(mask)
+            mask = mask if mask.dtype == jnp.bool_ else mask != 0
             kwargs["attention_mask"] = _broadcast4(flatten_broadcast(mask), q.shape[0], heads, seqlen_q,
                                                    seqlen_k, "mask")
         if bias is not None:
