@@ -112,8 +112,9 @@ def tune_shapes(specs: List[Dict[str, Any]], target: Target, *, force: bool = Fa
     return rows
 
 
-def show(path: Optional[str] = None, *, as_json: bool = False, out=sys.stdout) -> None:
-    """Print the cache file's entries (key, config, source, created)."""
+def show(path: Optional[str] = None, *, as_json: bool = False, out=None) -> None:
+    """Print the cache file's entries (key, config, source, created) to `out` (default stdout)."""
+    out = out or sys.stdout
     path = path or executor.cache_path()
     entries = executor.cached_entries(path)
     if as_json:
