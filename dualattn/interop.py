@@ -427,8 +427,11 @@ def framework_of_arguments(caller: str, query, named: dict) -> str:
         raise TypeError(
             f"{caller}: query must be a torch.Tensor or a jax.Array, "
             f"got {type(query).__module__}.{type(query).__qualname__}")
-    foreign = [f"{name} ({fw})" for name, x in named.items()
-               if (fw := _framework_of(x)) is not None and fw != framework]
+    foreign = []
+    for name, x in named.items():   # (a plain loop: torch.compile traces it without a graph break)
+        fw = _framework_of(x)
+        if fw is not None and fw != framework:
+            foreign.append(f"{name} ({fw})")
     if foreign:
         other = "jax_to_torch" if framework == "torch" else "torch_to_jax"
         raise TypeError(

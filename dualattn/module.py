@@ -87,6 +87,11 @@ class Implementation:
 
     def load(self) -> Callable:
         module_name, _, attr = self.target.partition(":")
+        # A loaded module is read from sys.modules: torch.compile traces that, not import_module.
+        module = sys.modules.get(module_name)
+        fn = getattr(module, attr, None)
+        if fn is not None:
+            return fn
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
