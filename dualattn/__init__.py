@@ -17,3 +17,11 @@ def flash_attention(query, key, value, **kwargs):
     """Framework-agnostic entry: torch tensors in -> torch out, jax arrays in -> jax out."""
     from .interop import dispatch_flash_attention
     return dispatch_flash_attention(query, key, value, **kwargs)
+
+
+def __getattr__(name):
+    # The module entry (dualattn/module.py) on first use: `import dualattn` stays light.
+    if name in ("attention", "Attention", "MaskInfo"):
+        from . import module
+        return getattr(module, name)
+    raise AttributeError(f"module 'dualattn' has no attribute {name!r}")

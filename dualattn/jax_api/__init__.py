@@ -6,3 +6,4 @@ from .ring import ring_attention  # noqa: F401
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attention_varlen", "BACKENDS", "use_triton_ptxas"]
 __all__ += ["ring_attention"]
+from .nn import dot_product_attention  # noqa: F401,E402

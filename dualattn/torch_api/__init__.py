@@ -6,3 +6,4 @@ from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func, 
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention", "dropout_keep_mask"]
 __all__ += ["ring_attention"]
+from .modules import MultiheadAttention  # noqa: F401,E402
