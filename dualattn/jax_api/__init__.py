@@ -4,3 +4,5 @@ from .flash import BACKENDS, flash_attention, flash_attention_varlen  # noqa: F4
 from .ptxas import use_triton_ptxas  # noqa: F401
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attention_varlen", "BACKENDS", "use_triton_ptxas"]
+from .nsa import apply_native_sparse_attention, native_sparse_attention  # noqa: F401
+__all__ += ["apply_native_sparse_attention", "native_sparse_attention"]

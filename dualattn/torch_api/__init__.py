@@ -4,3 +4,5 @@ from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func, 
                     scaled_dot_product_attention)
 
 __all__ = ["blocksparse_attention", "flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention", "dropout_keep_mask"]
+from .nsa import apply_native_sparse_attention, native_sparse_attention  # noqa: F401
+__all__ += ["apply_native_sparse_attention", "native_sparse_attention"]
