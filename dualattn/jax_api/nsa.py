@@ -111,12 +111,12 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str):
     return out, lse, k_cmp
 
 
-def _top_blocks(query, k_cmp, lse, block_size: int, count: int, scale: float):
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float):
     """As the torch front end's: own block first, then the highest summed probabilities, ties to the
     lower index (lax.top_k's order); -1 where fewer blocks exist.  Not differentiated."""
     query, k_cmp, lse = jax.lax.stop_gradient((query, k_cmp, lse))
     b, t, hq, d = query.shape
-    hkv = hq if k_cmp is None else k_cmp.shape[2]
+    hkv = heads_kv
     n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
     n_blocks = -(-t // block_size)
     take = min(count, n_blocks)
@@ -180,7 +180,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
                                             backend)
             outs.append(o_cmp)
             if block_indices is None and need_selection:
-                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, block_size, count, scale))
+                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
         if g_cmp is not None:
             out = g_cmp.astype(query.dtype)[..., None] * jnp.concatenate(outs, axis=1)
         if chosen:

@@ -56,7 +56,7 @@ class _SelectedAttention(torch.autograd.Function):
 def _check_tensors(**tensors):
     ref = tensors["query"]
     for name, t in tensors.items():
-        if t is None or isinstance(t, int) and name == "block_counts":
+        if t is None or name == "block_counts" and not isinstance(t, Tensor):   # an int: checks.check_selection
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -118,11 +118,11 @@ def _compressed(query, key, value, block_size: int, scale: float):
 
 
 @torch.no_grad()
-def _top_blocks(query, k_cmp, lse, block_size: int, count: int, scale: float) -> Tensor:
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float) -> Tensor:
     """Per token and KV group: the compressed probabilities summed over the group's heads, the own
     block first, then the top ones (ties to the lower index); -1 where fewer blocks exist."""
     b, t, hq, d = query.shape
-    hkv = k_cmp.shape[2] if k_cmp is not None else hq
+    hkv = heads_kv
     n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
     n_blocks = -(-t // block_size)
     blocks = torch.arange(n_blocks, device=query.device)
@@ -188,7 +188,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
             o_cmp, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale)
             outs.append(o_cmp)
             if block_indices is None and need_selection:
-                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, block_size, count, scale))
+                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
         if g_cmp is not None:
             out = g_cmp.to(query.dtype)[..., None] * torch.cat(outs, dim=1)
         if chosen:

@@ -55,7 +55,6 @@ def selected_attention_xla(query, key, value, block_indices, block_counts, block
 
     heads = jnp.arange(hkv)[None, None, :, None]
 
-    @jax.checkpoint
     def one_chunk(args):
         q, pos, ok = args                                  # (B, C, Hq, D), (B, C, Hkv, S, bs) x2
         pos = pos.reshape(b, chunk, hkv, slots * block_size)
@@ -73,6 +72,10 @@ def selected_attention_xla(query, key, value, block_indices, block_counts, block
         o = jnp.einsum("bchgk,bchkd->bchgd", p / jnp.where(l > 0, l, 1.0), v)
         return o.reshape(b, chunk, hq, dv)
 
-    out = jax.lax.map(one_chunk, (split(query), split(key_pos), split(key_ok)))
+    chunks = (split(query), split(key_pos), split(key_ok))
+    if n_chunks == 1:
+        out = one_chunk(tuple(x[0] for x in chunks))[None]
+    else:   # rematerialised in the backward: a chunk's gathered keys are not kept for all chunks
+        out = jax.lax.map(jax.checkpoint(one_chunk), chunks)
     out = jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, hq, dv)[:, :t]
     return out.astype(query.dtype)
