@@ -79,7 +79,10 @@ def tiles(shapes: NsaShapes) -> NsaTiles:
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
     block_n = min(shapes.block_size, 32 if big_d else 64)
     rows = tokens * group_pad
-    return NsaTiles(group_pad, tokens, block_n, 8 if rows >= 64 or big_d else 4, 2)
+    # fp32 at D > 128: a second pipeline stage of its [keys, D] fp32 tiles overflows sm_80's shared memory
+    # (196 KiB for the backward; tests/test_nsa_compile.py).
+    stages = 1 if big_d and shapes.dtype == "float32" else 2
+    return NsaTiles(group_pad, tokens, block_n, 8 if rows >= 64 or big_d else 4, stages)
 
 
 def scan_blocks(shapes: NsaShapes, t: NsaTiles) -> bool:
