@@ -111,15 +111,33 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str):
     return out, lse, k_cmp
 
 
-def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float):
+def _block_scores(query, k_cmp, lse, heads_kv: int, block_size: int, scale: float):
+    """(B, T, Hkv, blocks) top-k scores from the shared kernel (kernels/nsa/importance.py)."""
+    b, t, hq, d = query.shape
+    if k_cmp is None:   # no complete block: only the own blocks have a score
+        k_cmp = jnp.zeros((b, 1, heads_kv, d), query.dtype)
+        lse = jnp.full((b, hq, t), -jnp.inf, jnp.float32)
+    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype), scale)
+    return _launch.run(launch, dict(query=query, k_cmp=k_cmp, lse=lse.astype(jnp.float32)))["scores"]
+
+
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float, backend: str):
     """As the torch front end's: own block first, then the highest summed probabilities, ties to the
-    lower index (lax.top_k's order); -1 where fewer blocks exist.  Not differentiated."""
+    lower index (lax.top_k's order); -1 where fewer blocks exist.  Not differentiated.  The scores come
+    from the shared kernel (triton) or from jnp (xla)."""
     query, k_cmp, lse = jax.lax.stop_gradient((query, k_cmp, lse))
     b, t, hq, d = query.shape
     hkv = heads_kv
     n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
     n_blocks = -(-t // block_size)
     take = min(count, n_blocks)
+    if backend == "triton":
+        scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale)
+        chosen = []
+        for lo in range(0, t, SELECT_CHUNK):
+            ranked, order = jax.lax.top_k(scores[:, lo:lo + SELECT_CHUNK], take)
+            chosen.append(jnp.where(ranked == -jnp.inf, -1, order).astype(jnp.int32))
+        return _pad_slots(jnp.concatenate(chosen, axis=1), count)
     chosen = []
     for lo in range(0, t, SELECT_CHUNK):
         hi = min(t, lo + SELECT_CHUNK)
@@ -138,10 +156,12 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
         score = jnp.where((blocks[None, :] == own[:, None])[None, :, None, :], jnp.inf, score)
         ranked, order = jax.lax.top_k(score, take)
         chosen.append(jnp.where(ranked == -jnp.inf, -1, order).astype(jnp.int32))
-    out = jnp.concatenate(chosen, axis=1)
-    if take < count:
-        out = jnp.pad(out, [(0, 0)] * 3 + [(0, count - take)], constant_values=-1)
-    return out
+    return _pad_slots(jnp.concatenate(chosen, axis=1), count)
+
+
+def _pad_slots(chosen, count: int):
+    """-1 in the slots past the number of blocks a sequence has."""
+    return jnp.pad(chosen, [(0, 0)] * 3 + [(0, count - chosen.shape[-1])], constant_values=-1)
 
 
 def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=None, block_indices=None,
@@ -180,7 +200,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
                                             backend)
             outs.append(o_cmp)
             if block_indices is None and need_selection:
-                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
+                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale, backend))
         if g_cmp is not None:
             out = g_cmp.astype(query.dtype)[..., None] * jnp.concatenate(outs, axis=1)
         if chosen:

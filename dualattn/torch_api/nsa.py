@@ -20,7 +20,7 @@ from .blocksparse import blocksparse_attention
 from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func
 
 Tensor = torch.Tensor
-# Tokens per chunk of the top-k scoring: bounds its (tokens, Hq, blocks) fp32 scores.
+# Tokens per chunk of the top-k: bounds its (tokens, Hkv, blocks) temporaries.
 SELECT_CHUNK = 1024
 
 
@@ -117,34 +117,42 @@ def _compressed(query, key, value, block_size: int, scale: float):
     return out, lse, k_cmp
 
 
+def top_k_lowest_ties(score: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of `score` along its last axis, by decreasing value, ties to
+    the lower index.  torch.topk leaves the order of ties open (and torch.sort of every row costs
+    ~log(n) passes more): take the k-th largest value, every entry above it and the lowest-indexed
+    entries equal to it, then order those k by a stable sort."""
+    n = score.shape[-1]
+    kth = torch.topk(score, k, dim=-1).values[..., -1:]
+    above = score > kth
+    tied = score == kth
+    chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    positions = torch.arange(n, device=score.device).expand_as(score)
+    index = torch.topk(torch.where(chosen, positions, n), k, dim=-1, largest=False).values   # ascending
+    order = torch.sort(score.gather(-1, index), dim=-1, descending=True, stable=True).indices
+    return index.gather(-1, order)
+
+
 @torch.no_grad()
 def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float) -> Tensor:
-    """Per token and KV group: the compressed probabilities summed over the group's heads, the own
-    block first, then the top ones (ties to the lower index); -1 where fewer blocks exist."""
+    """Per token and KV group: the own block first, then the blocks of highest compressed probability
+    summed over the group's heads (kernels/nsa/importance.py), ties to the lower index; -1 where fewer
+    blocks exist."""
     b, t, hq, d = query.shape
-    hkv = heads_kv
-    n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
-    n_blocks = -(-t // block_size)
-    blocks = torch.arange(n_blocks, device=query.device)
-    out = torch.full((b, t, hkv, count), -1, dtype=torch.int32, device=query.device)
-    take = min(count, n_blocks)
-    for lo in range(0, t, SELECT_CHUNK):
-        hi = min(t, lo + SELECT_CHUNK)
-        pos = torch.arange(lo, hi, device=query.device)
-        score = torch.zeros(b, hi - lo, hkv, n_blocks, device=query.device)
-        if n_cmp:
-            q = query[:, lo:hi].float().unflatten(2, (hkv, hq // hkv))                   # (B, C, Hkv, G, D)
-            s = torch.einsum("bthgd,bchd->bthgc", q, k_cmp.float()) * scale
-            row_lse = lse[:, :, lo:hi].unflatten(1, (hkv, hq // hkv)).permute(0, 3, 1, 2)  # (B, C, Hkv, G)
-            visible = ((torch.arange(n_cmp, device=query.device) + 1) * block_size - 1) <= pos[:, None]
-            p = torch.where(visible[None, :, None, None, :], torch.exp(s - row_lse[..., None]), 0.0)
-            score[..., :n_cmp] = p.sum(3)
-        own = pos // block_size
-        score.masked_fill_((blocks[None, :] > own[:, None])[None, :, None, :], float("-inf"))
-        score.scatter_(3, own.view(1, -1, 1, 1).expand(b, -1, hkv, 1), float("inf"))
-        ranked, order = torch.sort(score, dim=3, descending=True, stable=True)   # stable: ties keep lower index
-        chosen = torch.where(ranked[..., :take] == float("-inf"), -1, order[..., :take])
-        out[:, lo:hi, :, :take] = chosen.to(torch.int32)
+    if k_cmp is None:   # no complete block: only the own blocks have a score
+        k_cmp = query.new_zeros(b, 1, heads_kv, d)
+        lse = torch.full((b, hq, t), float("-inf"), device=query.device)
+    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype).replace("torch.", ""),
+                                      scale)
+    scores = _launch.run(launch, dict(query=_cpu_upcast(query.contiguous()), k_cmp=_cpu_upcast(k_cmp.contiguous()),
+                                      lse=lse.float().contiguous()))["scores"]
+    take = min(count, scores.shape[-1])
+    out = torch.full((b, t, heads_kv, count), -1, dtype=torch.int32, device=query.device)
+    for lo in range(0, t, SELECT_CHUNK):   # bounds top_k_lowest_ties' temporaries
+        chunk = scores[:, lo:lo + SELECT_CHUNK]
+        index = top_k_lowest_ties(chunk, take)
+        out[:, lo:lo + SELECT_CHUNK, :, :take] = torch.where(chunk.gather(-1, index) == float("-inf"), -1,
+                                                             index).to(torch.int32)
     return out
 
 

@@ -222,3 +222,14 @@ def test_native_sparse_attention_gpu(torch_gen, group):
     ref, _ = reference_nsa(*leaves[:3], *leaves[3:], block_indices=used.cpu(), block_counts=8, block_size=64,
                            window_size=128)
     assert_close_rel(out, ref, 1e-4, "out")   # TF32x3 dots in the fp32 kernels
+
+
+def test_top_k_lowest_ties(torch_gen):
+    """Many ties, +inf and -inf: the k largest by decreasing value, ties to the lower index."""
+    from dualattn.torch_api.nsa import top_k_lowest_ties
+    score = torch.randint(0, 4, (50, 12), generator=torch_gen).float()
+    score[score == 0] = float("-inf")
+    score[:, 5] = float("inf")
+    got = top_k_lowest_ties(score, 6)
+    for row, idx in zip(score.tolist(), got.tolist()):
+        assert idx == sorted(range(12), key=lambda c: (-row[c], c))[:6]

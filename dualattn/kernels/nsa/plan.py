@@ -158,3 +158,34 @@ def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
                  Output("dk", (batch, rows, shapes.heads_kv, shapes.head_dim), "float32", zeroed=True),
                  Output("dv", (batch, rows, shapes.heads_kv, shapes.head_dim_v), "float32", zeroed=True)),
         constexprs=constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+IMPORTANCE_BLOCK_C = 64
+
+
+def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_dim: int, block_size: int,
+                    dtype: str, softmax_scale: float) -> Launch:
+    """The top-k scores of one (unpacked) sequence batch (importance.py): inputs query (B, T, Hq, D),
+    k_cmp (B, T // block_size, Hkv, D) and the compressed branch's lse (B, Hq, T) fp32, all contiguous;
+    output scores fp32 (B, T, Hkv, cdiv(T, block_size))."""
+    shapes = NsaShapes(batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                       head_dim_v=head_dim, num_slots=1, block_size=block_size, dtype=dtype, per_token_counts=False)
+    t = tiles(shapes)
+    n_cmp, n_blocks = seqlen // block_size, cdiv(seqlen, block_size)
+    strides = (row_major_strides((batch, seqlen, heads_q, head_dim))[:3]
+               + row_major_strides((batch, max(n_cmp, 1), heads_kv, head_dim))[:3]
+               + row_major_strides((batch, heads_q, seqlen))
+               + row_major_strides((batch, seqlen, heads_kv, n_blocks))[:3])
+    names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_lb", "stride_lh",
+             "stride_ls", "stride_sb", "stride_ss", "stride_sh")
+    return Launch(
+        module="nsa.importance", kernel="nsa_importance_kernel",
+        grid=(cdiv(seqlen, t.tokens), batch * heads_kv, 1), inputs=("query", "k_cmp", "lse"),
+        scalars=tuple(zip(names, strides)) + (("seqlen", seqlen), ("num_heads_kv", heads_kv), ("num_cmp", n_cmp),
+                                              ("num_blocks", n_blocks), ("sm_scale", float(softmax_scale))),
+        outputs=(Output("scores", (batch, seqlen, heads_kv, n_blocks), "float32"),),
+        constexprs=(("HEAD_DIM", head_dim), ("BLOCK_D", max(16, next_pow2(head_dim))), ("GROUP", heads_q // heads_kv),
+                    ("GROUP_PAD", t.group_pad), ("TOKENS", t.tokens), ("BLOCK_SIZE", block_size),
+                    ("BLOCK_C", IMPORTANCE_BLOCK_C),
+                    ("DOT_PRECISION", "tf32x3" if dtype == "float32" else "tf32")),
+        num_warps=4, num_stages=2)
