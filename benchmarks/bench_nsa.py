@@ -108,7 +108,8 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
 def speedups(rows: list) -> list:
     """Per (T, group, mode): dense causal time / each system's time."""
     out = []
-    dense = {(r["seqlen"], r["group"], r["mode"]): r["ms"] for r in rows if r["system"] == "dualattn-flash-dense-causal"}
+    dense = {(r["seqlen"], r["group"], r["mode"]): r["ms"] for r in rows
+             if r["system"] == "dualattn-flash-dense-causal"}
     for r in rows:
         base = dense.get((r["seqlen"], r["group"], r["mode"]))
         if r["ms"] and base and r["system"] != "dualattn-flash-dense-causal":

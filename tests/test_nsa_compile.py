@@ -51,7 +51,8 @@ def test_compile_nsa(variant, kernel, arch):
         assert "red.global" in ptx or "atom.global" in ptx, "dK / dV are accumulated with global atomics"
 
 
-@pytest.mark.parametrize("arch, dtype, group", [(90, "bfloat16", 16), pytest.param(80, "float16", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch, dtype, group", [
+    (90, "bfloat16", 16), pytest.param(80, "float16", 2, marks=pytest.mark.slow)])
 def test_compile_nsa_importance(arch, dtype, group):
     launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, 128, 64, dtype, 128 ** -0.5)
     compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32"), arch=arch)
