@@ -9,8 +9,8 @@ from .ring import ring_permutation
 
 __version__ = "0.1.0"
 
-__all__ = ["FlashOptions", "SparseMask", "canonical_window", "flash_attention", "__version__"]
-__all__ += ["ring_permutation"]
+__all__ = ["FlashOptions", "SparseMask", "canonical_window", "flash_attention", "ring_permutation",
+           "attention", "Attention", "MaskInfo", "__version__"]
 
 
 def flash_attention(query, key, value, **kwargs):
