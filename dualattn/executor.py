@@ -325,7 +325,23 @@ class ConfigCache:
 def _autotune_enabled(autotune: Optional[bool]) -> bool:
     if autotune is not None:
         return bool(autotune)
+    scoped = getattr(_local, "autotune", ())
+    if scoped:
+        return scoped[-1]
     return os.environ.get(AUTOTUNE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def autotuning(enabled: bool = True):
+    """Turn autotuning on (or off) for every select_config call of this thread that does not pass
+    `autotune=` itself: what `dualattn.attention(..., autotune=True)` wraps its call in.  Nests; the
+    innermost wins; it takes precedence over DUALATTN_AUTOTUNE."""
+    stack = _local.__dict__.setdefault("autotune", [])
+    stack.append(bool(enabled))
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 class Executor:
@@ -452,12 +468,48 @@ class Executor:
                           RuntimeWarning, stacklevel=4)
         return best
 
+    def tune(self, algorithm: str, *, platform: str, backend: str, device_name: str, arch: int = 0, shapes, options,
+             autotune_fn: Callable[[Sequence[Any]], Any],
+             heuristics: Optional[Callable[[Any, Any, int], Any]] = None) -> Tuple[Any, str]:
+        """Autotune now, whatever the caches hold, and store the result (memory and disk):
+        (config, 'autotune'), or (the heuristic config, 'heuristics') when tuning failed or the
+        entry has no candidates.  What `python -m dualattn.tune --force` runs."""
+        entry = get_kernel(algorithm, platform, backend)
+        heuristics = heuristics or entry.heuristics
+        if entry.candidates is not None:
+            key = _cache_key(entry, device_name, triton_version(), shapes, options)
+            config = self._autotune(entry, key, autotune_fn, heuristics, shapes, options, arch,
+                                    dict(platform=platform, backend=backend, device_name=device_name))
+            if config is not None:
+                return config, "autotune"
+        return heuristics(shapes, options, arch), "heuristics"
+
     def select(self, algorithm: str, **kwargs):
         """See `select_config`."""
         return self.select_with_source(algorithm, **kwargs)[0]
 
 
 _DEFAULT = Executor()
+
+
+def cached_entries(path: Optional[str] = None) -> Dict[str, dict]:
+    """The entries of the cache file (`path`, default cache_path()): key -> {"config", "source", "created"}."""
+    return dict(ConfigCache(path or cache_path()).entries())
+
+
+def decode_config(algorithm: str, config, *, platform: str = "cuda", backend: str = "triton"):
+    """`config` as the registry entry's config type: returned as is when it already is one, decoded
+    when it is the JSON form the cache file holds (e.g. {"fwd": [...], "bwd_dkdv": [...], "bwd_dq": [...]})."""
+    entry = get_kernel(algorithm, platform, backend)
+    try:
+        if entry.decode(entry.encode(config)) == config:
+            return config
+    except Exception:  # not the config type itself: try it as the encoded form
+        pass
+    try:
+        return entry.decode(config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"config must be a {algorithm} config or its JSON form: {e}") from None
 
 
 def default_executor() -> Executor:

@@ -411,19 +411,32 @@ def dispatch_flash_attention(query, key, value, **kwargs):
         frameworks (every array argument, keyword ones too, must belong to query's framework;
         convert with `torch_to_jax` / `jax_to_torch`).
     """
+    framework = framework_of_arguments("dualattn.flash_attention", query, {"key": key, "value": value, **kwargs})
+    return _front_end(framework)(query, key, value, **kwargs)
+
+
+def framework_of_arguments(caller: str, query, named: dict) -> str:
+    """'torch' or 'jax': the framework of `query`, which every array in `named` must share.
+
+    Raises:
+      TypeError: ``query`` is neither a torch tensor nor a jax array, or an argument in `named`
+        belongs to the other framework (naming it and the conversion to use).
+    """
     framework = _framework_of(query)
     if framework is None:
         raise TypeError(
-            "dualattn.flash_attention: query must be a torch.Tensor or a jax.Array, "
+            f"{caller}: query must be a torch.Tensor or a jax.Array, "
             f"got {type(query).__module__}.{type(query).__qualname__}")
-    named = {"key": key, "value": value, **kwargs}
-    foreign = [f"{name} ({fw})" for name, x in named.items()
-               if (fw := _framework_of(x)) is not None and fw != framework]
+    foreign = []
+    for name, x in named.items():   # (a plain loop: torch.compile traces it without a graph break)
+        fw = _framework_of(x)
+        if fw is not None and fw != framework:
+            foreign.append(f"{name} ({fw})")
     if foreign:
         other = "jax_to_torch" if framework == "torch" else "torch_to_jax"
         raise TypeError(
-            f"dualattn.flash_attention: query is a {framework} array but "
+            f"{caller}: query is a {framework} array but "
             f"{', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not; "
             f"all array arguments must belong to one framework (convert with "
             f"dualattn.interop.{other})")
-    return _front_end(framework)(query, key, value, **kwargs)
+    return framework

@@ -63,11 +63,23 @@ class FlashOptions:
     def build(cls, *, head_dim: int, softmax_scale=None, causal=False, sliding_window: Window = None,
               logits_soft_cap=None, dropout_prob=0.0) -> "FlashOptions":
         """Canonicalise user-facing options (the public keyword names) into FlashOptions."""
-        scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+        scale = head_dim ** -0.5 if softmax_scale is None else _real("softmax_scale", softmax_scale)
         left, right = canonical_window(sliding_window, causal)
-        cap = None if logits_soft_cap is None or float(logits_soft_cap) == 0.0 else float(logits_soft_cap)
+        cap = None if logits_soft_cap is None else _real("logits_soft_cap", logits_soft_cap)
+        cap = None if cap == 0.0 else cap
         return cls(softmax_scale=scale, window_left=left, window_right=right,
                    logits_soft_cap=cap, dropout_prob=float(dropout_prob))
+
+
+def _real(name: str, value) -> float:
+    """A float option given as a number (a python, numpy or 0-d array scalar), never a string, which
+    float() would parse ("0.5") or reject without naming the argument."""
+    if isinstance(value, (str, bytes, bool)) or type(value).__name__ == "bool_":
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}") from e
 
 
 # A window side this wide or wider reaches past any sequence the int32 positions of the kernels can

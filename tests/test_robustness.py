@@ -268,3 +268,15 @@ def test_empty_batch_with_sinks_backward():
     sinks = torch.zeros(2, requires_grad=True)
     dt.flash_attention(q, q, q, softmax_aux=sinks).sum().backward()
     assert q.grad.shape == q.shape and torch.equal(sinks.grad, torch.zeros(2))
+
+
+def test_float_options_must_be_numbers():
+    """A string scale or cap is rejected naming the argument (float() would parse "0.5", or fail
+    with a message naming nothing); found by python -m dualattn.fuzz."""
+    q, x = torch.ones(1, 8, 1, 16), jnp.ones((1, 8, 1, 16))
+    for name, value in (("softmax_scale", "0.5"), ("softmax_scale", [0.5]), ("logits_soft_cap", "30"),
+                        ("logits_soft_cap", True)):
+        with pytest.raises(TypeError, match=name):
+            dt.flash_attention(q, q, q, **{name: value})
+        with pytest.raises(TypeError, match=name):
+            dj.flash_attention(x, x, x, backend="xla", **{name: value})

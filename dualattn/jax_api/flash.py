@@ -181,11 +181,12 @@ def _descriptor_flags(query) -> dict:
 
 
 def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:
-    # override -> memory -> disk cache (shared with torch, which autotunes) -> plan.default_config
+    # override -> memory -> disk cache (shared with torch) -> autotune (opt-in) -> plan.default_config
     if _launch._on_gpu(query):
+        from ._autotune import flash_autotune_fn
         return executor.select_config("flash", platform="cuda", backend="triton",
                                       device_name=jax.devices("gpu")[0].device_kind, arch=_launch.gpu_arch(),
-                                      shapes=shapes, options=options)
+                                      shapes=shapes, options=options, autotune_fn=flash_autotune_fn(shapes, options))
     return executor.select_config("flash", platform="cpu", backend="triton-interpret", device_name="cpu",
                                   shapes=shapes, options=options)
 

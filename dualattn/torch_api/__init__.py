@@ -2,5 +2,10 @@
 from .blocksparse import blocksparse_attention  # noqa: F401
 from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func,  # noqa: F401
                     scaled_dot_product_attention)
+from .modules import MultiheadAttention  # noqa: F401
+from .nsa import apply_native_sparse_attention, native_sparse_attention  # noqa: F401
+from .ring import ring_attention  # noqa: F401
 
-__all__ = ["blocksparse_attention", "flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention", "dropout_keep_mask"]
+__all__ = ["blocksparse_attention", "flash_attention", "flash_attn_varlen_func", "scaled_dot_product_attention",
+           "dropout_keep_mask", "ring_attention", "MultiheadAttention", "apply_native_sparse_attention",
+           "native_sparse_attention"]

@@ -1,4 +1,4 @@
-"""The torch side of opt-in autotuning (DUALATTN_AUTOTUNE=1): times flash tile candidates on the GPU.
+"""The torch side of opt-in autotuning (autotune=True, DUALATTN_AUTOTUNE=1): times flash tile candidates on the GPU.
 
 `flash_autotune_fn(shapes, options, device)` is what `_config` hands to `executor.select_config`; the
 executor calls it with its candidate FlashConfigs only on a cache miss with autotuning on, and caches
@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .. import executor
+from ..autotune import REP_MS, WARMUP_MS, tune_flash
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
 
 
 def _bench(fn: Callable[[], object]) -> float:
+    """Median ms of fn on the GPU: CUDA events, an L2 flush between calls, warm-up and repeats by
+    time (dualattn.autotune's WARMUP_MS / REP_MS; the first call, which compiles, is not timed)."""
     import triton.testing
-    fn()  # compile outside the timed region
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    fn()
+    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
 def flash_autotune_fn(shapes: FlashShapes, options, device) -> Callable[[Sequence[FlashConfig]], Optional[FlashConfig]]:
@@ -96,26 +98,19 @@ def _tune(shapes: FlashShapes, options, device, candidates: Sequence[FlashConfig
 
 
 def _tune_here(shapes, options, device, candidates, timer):
-    base = candidates[0]
-    fwd_tiles = list(dict.fromkeys(c.fwd for c in candidates))
-    bwd_tiles = list(dict.fromkeys((c.bwd_dkdv, c.bwd_dq) for c in candidates))
-
-    def timed(config: FlashConfig, fn) -> float:
-        try:
-            with executor.override(config, algorithm="flash"):
-                return timer(fn)
-        except Exception:  # a tile that does not fit (shared memory, registers) is out
-            return math.inf
-
     run, inputs = _synthetic_call(shapes, options, device)
-    with torch.no_grad():
-        fwd_ms = [timed(FlashConfig(t, base.bwd_dkdv, base.bwd_dq), run) for t in fwd_tiles]
-    with executor.override(base, algorithm="flash"):
+
+    def measure_forward(config: FlashConfig) -> float:
+        with torch.no_grad(), executor.override(config, algorithm="flash"):
+            return timer(run)
+
+    with executor.override(candidates[0], algorithm="flash"):
         out = run()
     dout = torch.randn_like(out)
-    bwd_ms = [timed(FlashConfig(base.fwd, dkdv, dq), lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
-              for dkdv, dq in bwd_tiles]
-    if min(fwd_ms) == math.inf or min(bwd_ms) == math.inf:
-        return None
-    dkdv, dq = bwd_tiles[bwd_ms.index(min(bwd_ms))]
-    return FlashConfig(fwd_tiles[fwd_ms.index(min(fwd_ms))], dkdv, dq)
+
+    def measure_backward(config: FlashConfig) -> float:
+        with executor.override(config, algorithm="flash"):
+            return timer(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+
+    return tune_flash(candidates, measure_forward, measure_backward,
+                      desc=f"dualattn autotune {shapes.seqlen_q}x{shapes.seqlen_k} d{shapes.head_dim}")

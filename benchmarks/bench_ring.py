@@ -1,0 +1,328 @@
+"""Ring attention: correctness against single-device flash_attention on the gathered sequence, and
+per-GPU efficiency.
+
+    python benchmarks/bench_ring.py --framework torch                 # world 1 (ring vs flash, one GPU)
+    torchrun --nproc-per-node 4 benchmarks/bench_ring.py --framework torch
+    python benchmarks/bench_ring.py --framework jax                   # shard_map over all local GPUs
+    python benchmarks/bench_ring.py --plot                            # efficiency vs world size, from JSON
+    --quick: 8k tokens per GPU only (< 3 minutes on 1-4 H100s)
+    --device cpu --quick: tiny shapes on CPU (gloo under torchrun / --cpu-devices N for jax), a dry run
+
+bf16, D=128, GQA 32/8, B=1; cases causal zigzag and non-causal (contiguous); fwd and fwd+bwd.
+Efficiency = ring throughput per GPU / single-GPU flash_attention throughput at the same per-GPU
+work, throughput counted as attended (query, key) pairs per second (fwd 4*D flops a pair, bwd 2.5x):
+non-causal, the baseline is flash with L queries against the S = W*L keys (exactly one GPU's ring
+work); causal, flash causal over S (its per-pair rate; the ring's work per GPU is S^2 / 2W pairs).
+JSON rows go to benchmarks/results/<date>_ring_<framework>_w<W>_<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CASES = {"causal-zigzag": dict(causal=True, layout="zigzag"), "noncausal": dict(causal=False, layout="contiguous")}
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tokens", type=int, nargs="*", help="tokens per GPU (default 8192 16384 32768)")
+    p.add_argument("--cases", nargs="*", choices=tuple(CASES), default=list(CASES))
+    p.add_argument("--modes", nargs="*", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
+    p.add_argument("--cpu-devices", type=int, default=2, help="jax on CPU: host devices to shard over")
+    p.add_argument("--out", help="JSON path (default under benchmarks/results/)")
+    p.add_argument("--plot", action="store_true", help="plot efficiency vs world size from the JSON results")
+    return p.parse_args()
+
+
+def _shape(args):
+    if args.device == "cpu":   # the interpreter: tiny
+        return dict(heads_q=4, heads_kv=2, head_dim=16, dtype="float32")
+    return dict(heads_q=32, heads_kv=8, head_dim=128, dtype="bfloat16")
+
+
+def _tokens(args):
+    if args.tokens:
+        return args.tokens
+    if args.device == "cpu":
+        return [32]
+    return [8192] if args.quick else [8192, 16384, 32768]
+
+
+def _pairs(seq: int, causal: bool, queries: int = None) -> float:
+    queries = seq if queries is None else queries
+    return seq * (seq + 1) / 2 if causal else queries * seq
+
+
+def _flops(pairs: float, head_dim: int, heads: int, mode: str) -> float:
+    fwd = 4.0 * head_dim * pairs * heads
+    return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+    a, b = (x.detach().numpy() if hasattr(x, "detach") else x for x in (a, b))
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def _torch_run(args):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import dualattn
+    from dualattn.torch_api import flash_attention, ring_attention
+
+    if "RANK" not in os.environ:   # a plain python launch: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = _shape(args)
+    dtype = getattr(torch, shape["dtype"])
+
+    def timeit(fn):
+        if args.device == "cuda":
+            import triton.testing
+            dist.barrier()
+            return triton.testing.do_bench(fn, warmup=10 if args.quick else 25, rep=30 if args.quick else 100) * 1e-3
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    rows = []
+    for tokens in _tokens(args):
+        seq = tokens * world
+        for case in args.cases:
+            opts = CASES[case]
+            g = torch.Generator().manual_seed(0)
+            mk = lambda h: torch.randn(1, seq, h, shape["head_dim"], generator=g).to(device, dtype)
+            q, k, v = mk(shape["heads_q"]), mk(shape["heads_kv"]), mk(shape["heads_kv"])
+            dout = mk(shape["heads_q"])
+            perm = torch.as_tensor(dualattn.ring_permutation(seq, world, opts["layout"]), device=device)
+            mine = perm.view(world, -1)[rank]
+            ql, kl, vl, dl = (x[:, mine].contiguous() for x in (q, k, v, dout))
+            for mode in args.modes:
+                leaves = [x.clone().requires_grad_(mode != "fwd") for x in (ql, kl, vl)]
+
+                def ring():
+                    out = ring_attention(*leaves, causal=opts["causal"], layout=opts["layout"])
+                    if mode != "fwd":
+                        torch.autograd.grad(out, leaves, dl)
+                    return out
+
+                # correctness: the ring's shard of out (and grads) vs flash on the gathered sequence
+                errors = {}
+                if tokens == min(_tokens(args)):
+                    full = [x.clone().requires_grad_(mode != "fwd") for x in (q, k, v)]
+                    ref = flash_attention(*full, causal=opts["causal"])
+                    out = ring_attention(*leaves, causal=opts["causal"], layout=opts["layout"])
+                    errors["out"] = _rel(out.float().cpu(), ref[:, mine].float().cpu())
+                    if mode != "fwd":
+                        got = torch.autograd.grad(out, leaves, dl)
+                        want = torch.autograd.grad(ref, full, dout)
+                        for n, a, b in zip(("dq", "dk", "dv"), got, want):
+                            errors[n] = _rel(a.float().cpu(), b[:, mine].float().cpu())
+                    del full, ref
+                t_ring = timeit(ring)
+                # baseline on one GPU at the same per-GPU work
+                if opts["causal"]:
+                    base = [x.clone().requires_grad_(mode != "fwd") for x in (q, k, v)]
+                    base_pairs, base_dout = _pairs(seq, True), dout
+                else:
+                    base = [ql.clone().requires_grad_(mode != "fwd"), k.clone().requires_grad_(mode != "fwd"),
+                            v.clone().requires_grad_(mode != "fwd")]
+                    base_pairs, base_dout = _pairs(seq, False, tokens), dl
+
+                def flash():
+                    out = flash_attention(*base, causal=opts["causal"])
+                    if mode != "fwd":
+                        torch.autograd.grad(out, base, base_dout)
+
+                t_flash = timeit(flash)
+                del base
+                ring_pairs = _pairs(seq, opts["causal"]) / world
+                rate_ring = _flops(ring_pairs, shape["head_dim"], shape["heads_q"], mode) / t_ring
+                rate_flash = _flops(base_pairs, shape["head_dim"], shape["heads_q"], mode) / t_flash
+                errs = torch.tensor([errors.get(n, 0.0) for n in ("out", "dq", "dk", "dv")], dtype=torch.float64,
+                                    device=device if args.device == "cuda" else "cpu")
+                times = torch.tensor([t_ring], dtype=torch.float64, device=errs.device)
+                dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX)   # the slowest rank sets the ring's time
+                t_ring = float(times[0])
+                rate_ring = _flops(ring_pairs, shape["head_dim"], shape["heads_q"], mode) / t_ring
+                row = dict(framework="torch", world=world, tokens_per_gpu=tokens, case=case, mode=mode,
+                           ring_ms=t_ring * 1e3, flash_ms=t_flash * 1e3, ring_tflops_per_gpu=rate_ring / 1e12,
+                           flash_tflops=rate_flash / 1e12, efficiency=rate_ring / rate_flash,
+                           max_rel_error={n: float(e) for n, e in zip(("out", "dq", "dk", "dv"), errs) if n in errors}
+                           or None)
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+    versions = dict(torch=torch.__version__)
+    name = torch.cuda.get_device_name(device) if args.device == "cuda" else platform.processor() or "cpu"
+    if rank == 0:
+        _write(args, rows, world, name, versions)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- jax
+
+
+def _jax_run(args):
+    if args.device == "cpu":
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.cpu_devices}"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import dualattn
+    import dualattn.jax_api as dj
+
+    devices = jax.devices()
+    world = len(devices)
+    mesh = Mesh(np.array(devices), ("sp",))
+    shape = _shape(args)
+    dtype = jnp.dtype(shape["dtype"])
+    backend = "triton"
+    seq_spec = P(None, "sp")
+    reps = 3 if args.device == "cpu" else (10 if args.quick else 30)
+
+    def timeit(fn, *a):
+        jax.block_until_ready(fn(*a))   # compile, warm up
+        t0 = time.perf_counter()
+        for _ in range(reps):            # back to back, one wait
+            res = fn(*a)
+        jax.block_until_ready(res)
+        return (time.perf_counter() - t0) / reps
+
+    rows = []
+    for tokens in _tokens(args):
+        seq = tokens * world
+        for case in args.cases:
+            opts = CASES[case]
+            rng = np.random.default_rng(0)
+            mk = lambda h: jnp.asarray(rng.standard_normal((1, seq, h, shape["head_dim"]), np.float32), dtype)
+            q, k, v = mk(shape["heads_q"]), mk(shape["heads_kv"]), mk(shape["heads_kv"])
+            dout = mk(shape["heads_q"])
+            perm = dualattn.ring_permutation(seq, world, opts["layout"])
+            ql, kl, vl, dl = (x[:, perm] for x in (q, k, v, dout))   # sharded in layout order
+            ring = jax.shard_map(lambda a, b, c: dj.ring_attention(a, b, c, axis_name="sp", causal=opts["causal"],
+                                                                   layout=opts["layout"], backend=backend),
+                                 mesh=mesh, in_specs=(seq_spec,) * 3, out_specs=seq_spec)
+            flash = lambda a, b, c: dj.flash_attention(a, b, c, causal=opts["causal"], backend=backend)
+            one = jax.devices()[0]
+            if opts["causal"]:
+                base_args, base_pairs, base_dout = (q, k, v), _pairs(seq, True), dout
+            else:
+                base_args, base_pairs, base_dout = (q[:, :tokens], k, v), _pairs(seq, False, tokens), dout[:, :tokens]
+            base_args = tuple(jax.device_put(x, one) for x in base_args)
+            base_dout = jax.device_put(base_dout, one)
+            for mode in args.modes:
+                if mode == "fwd":
+                    ring_fn, flash_fn = jax.jit(ring), jax.jit(flash)
+                    ring_in, flash_in = (ql, kl, vl), base_args
+                else:
+                    def vjp(f):
+                        def run(a, b, c, d):
+                            out, pull = jax.vjp(f, a, b, c)
+                            return out, pull(d)
+                        return jax.jit(run)
+                    ring_fn, flash_fn = vjp(ring), vjp(flash)
+                    ring_in, flash_in = (ql, kl, vl, dl), base_args + (base_dout,)
+                errors = {}
+                if tokens == min(_tokens(args)):
+                    flat = (lambda r: (r,)) if mode == "fwd" else (lambda r: (r[0],) + tuple(r[1]))
+                    ref_fn = jax.jit(flash) if mode == "fwd" else vjp(flash)
+                    got = flat(ring_fn(*ring_in))
+                    want = flat(ref_fn(*((q, k, v) if mode == "fwd" else (q, k, v, dout))))
+                    for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                        errors[n] = _rel(np.asarray(a.astype(jnp.float32)), np.asarray(b[:, perm].astype(jnp.float32)))
+                t_ring = timeit(ring_fn, *ring_in)
+                t_flash = timeit(flash_fn, *flash_in)
+                ring_pairs = _pairs(seq, opts["causal"]) / world
+                rate_ring = _flops(ring_pairs, shape["head_dim"], shape["heads_q"], mode) / t_ring
+                rate_flash = _flops(base_pairs, shape["head_dim"], shape["heads_q"], mode) / t_flash
+                row = dict(framework="jax", world=world, tokens_per_gpu=tokens, case=case, mode=mode,
+                           ring_ms=t_ring * 1e3, flash_ms=t_flash * 1e3, ring_tflops_per_gpu=rate_ring / 1e12,
+                           flash_tflops=rate_flash / 1e12, efficiency=rate_ring / rate_flash,
+                           max_rel_error=errors or None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    _write(args, rows, world, devices[0].device_kind, dict(jax=jax.__version__))
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _write(args, rows, world, device_name, versions):
+    import triton
+
+    import dualattn
+    versions = dict(versions, triton=triton.__version__, dualattn=dualattn.__version__, python=sys.version.split()[0])
+    date = datetime.date.today().isoformat()
+    path = args.out or os.path.join(RESULTS, f"{date}_ring_{args.framework}_w{world}_{args.device}"
+                                    f"{'_quick' if args.quick else ''}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(benchmark="ring", date=date, device=device_name, world=world, versions=versions,
+                       shape=_shape(args), rows=rows), f, indent=1)
+    print("wrote", path)
+
+
+def _plot(args):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*_ring_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        rows += [dict(r, device=data["device"]) for r in data["rows"]]
+    if not rows:
+        print("no ring results under", RESULTS)
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = sorted({(r["framework"], r["case"], r["mode"], r["tokens_per_gpu"]) for r in rows})
+    for key in series:
+        pts = sorted((r["world"], r["efficiency"]) for r in rows
+                     if (r["framework"], r["case"], r["mode"], r["tokens_per_gpu"]) == key)
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]} {key[2]} {key[3] // 1024}k/GPU")
+    ax.set_xlabel("GPUs (world size)")
+    ax.set_ylabel("per-GPU efficiency vs single-GPU flash")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.legend(fontsize=6)
+    path = os.path.join(RESULTS, f"{datetime.date.today().isoformat()}_ring_efficiency.png")
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    print("wrote", path)
+
+
+def main():
+    args = _args()
+    if args.plot:
+        return _plot(args)
+    return (_torch_run if args.framework == "torch" else _jax_run)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Drop-in use of dualattn from other libraries: `dualattn.integrations.transformers.register()`."""

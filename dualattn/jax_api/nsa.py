@@ -1,0 +1,226 @@
+"""Native sparse attention (NSA) for JAX: backend "triton" (the shared kernels of kernels/nsa under a
+custom_vjp; jax-triton on GPU, Triton's interpreter on CPU), "xla" (pure JAX) or "auto".
+
+The compressed branch runs on blocksparse_attention with key positions, the sliding branch on
+flash_attention, both with the same backend; the branches and their gates are summed by JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import nsa as checks
+from ..kernels.nsa import plan as nsa_plan
+from . import _launch
+from .blocksparse import blocksparse_attention
+from .flash import _resolve_backend, check_arrays, flash_attention, flash_attention_varlen
+
+SELECT_CHUNK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelectedCall:
+    """The static part of a selected-branch call: the one non-differentiable argument of the custom_vjp."""
+    shapes: nsa_plan.NsaShapes
+    softmax_scale: float
+    block_count: int
+
+
+def _int_inputs(block_indices, block_counts, cu_seqlens) -> dict:
+    return dict(block_indices=block_indices.astype(jnp.int32),
+                block_counts=None if block_counts is None else block_counts.astype(jnp.int32),
+                cu_seqlens=None if cu_seqlens is None else cu_seqlens.astype(jnp.int32))
+
+
+def _selected_forward(call: _SelectedCall, query, key, value, block_indices, block_counts, cu_seqlens):
+    arrays = dict(query=query, key=key, value=value, **_int_inputs(block_indices, block_counts, cu_seqlens))
+    res = _launch.run(nsa_plan.plan_forward(call.shapes, call.softmax_scale, call.block_count), arrays)
+    return res["out"], (query, key, value, res["out"], res["lse"], block_indices, block_counts, cu_seqlens)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _selected(call: _SelectedCall, query, key, value, block_indices, block_counts, cu_seqlens):
+    return _selected_forward(call, query, key, value, block_indices, block_counts, cu_seqlens)[0]
+
+
+def _selected_backward(call: _SelectedCall, residuals, dout):
+    query, key, value, out, lse, block_indices, block_counts, cu_seqlens = residuals
+    arrays = dict(query=query, key=key, value=value, out=out, dout=dout.astype(out.dtype), lse=lse,
+                  **_int_inputs(block_indices, block_counts, cu_seqlens))
+    grads = _launch.run(nsa_plan.plan_backward(call.shapes, call.softmax_scale, call.block_count), arrays)
+    return (grads["dq"], grads["dk"].astype(key.dtype), grads["dv"].astype(value.dtype), None, None, None)
+
+
+_selected.defvjp(_selected_forward, _selected_backward)
+
+
+def _concrete(x) -> Optional[list]:
+    """The values of a concrete array (None for a tracer)."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    return [int(v) for v in np.asarray(x)]
+
+
+def _backend(backend: str) -> str:
+    backend = _resolve_backend(backend)
+    return "xla" if backend == "pallas" else backend   # no Pallas NSA kernel: the xla path runs everywhere
+
+
+def apply_native_sparse_attention(query, key, value, block_indices, block_counts=16, block_size: int = 64,
+                                  softmax_scale: Optional[float] = None, cu_seqlens=None, backend: str = "auto"):
+    """NSA's selected branch; same arguments and result as the torch front end
+    (dualattn.torch_api.apply_native_sparse_attention), plus backend "triton", "xla" or "auto"."""
+    counts_array = block_counts if hasattr(block_counts, "shape") and len(block_counts.shape) else None
+    check_arrays(query=query, key=key, value=value, block_indices=block_indices, block_counts=counts_array,
+                 cu_seqlens=cu_seqlens)
+    cu_values = _concrete(cu_seqlens)
+    shapes, count = checks.selected_shapes(query, key, value, block_indices, block_counts, block_size, cu_seqlens,
+                                           cu_values)
+    scale = checks.default_scale(shapes.head_dim, softmax_scale)
+    if _backend(backend) == "xla":
+        from .xla import selected_attention_xla
+        return selected_attention_xla(query, key, value, block_indices,
+                                      counts_array if count is None else count, shapes.block_size, scale, cu_seqlens)
+    return _selected(_SelectedCall(shapes, scale, count or 0), query, key, value, block_indices, counts_array,
+                     cu_seqlens)
+
+
+def _pool(x, block_size: int):
+    n = x.shape[1] // block_size
+    return x[:, :n * block_size].reshape(x.shape[0], n, block_size, *x.shape[2:]).astype(jnp.float32).mean(
+        2).astype(x.dtype)
+
+
+def _compressed(query, key, value, block_size: int, scale: float, backend: str):
+    """Compressed branch of one sequence: (out, lse (B, Hq, T) or None, pooled keys or None)."""
+    b, t = query.shape[:2]
+    n = t // block_size
+    if n == 0:   # no complete block: no token sees any
+        return jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype), None, None
+    k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
+    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kv_pos = jnp.broadcast_to((jnp.arange(n, dtype=jnp.int32) + 1) * block_size - 1, (b, n))
+    out, lse = blocksparse_attention(query, k_cmp, v_cmp, mask_builder=checks.all_blocks, causal=True,
+                                     q_positions=q_pos, kv_positions=kv_pos, softmax_scale=scale, return_lse=True,
+                                     backend=backend)
+    return out, lse, k_cmp
+
+
+def _block_scores(query, k_cmp, lse, heads_kv: int, block_size: int, scale: float):
+    """(B, T, Hkv, blocks) top-k scores from the shared kernel (kernels/nsa/importance.py)."""
+    b, t, hq, d = query.shape
+    if k_cmp is None:   # no complete block: only the own blocks have a score
+        k_cmp = jnp.zeros((b, 1, heads_kv, d), query.dtype)
+        lse = jnp.full((b, hq, t), -jnp.inf, jnp.float32)
+    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype), scale)
+    return _launch.run(launch, dict(query=query, k_cmp=k_cmp, lse=lse.astype(jnp.float32)))["scores"]
+
+
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float, backend: str):
+    """As the torch front end's: own block first, then the highest summed probabilities, ties to the
+    lower index (lax.top_k's order); -1 where fewer blocks exist.  Not differentiated.  The scores come
+    from the shared kernel (triton) or from jnp (xla)."""
+    query, k_cmp, lse = jax.lax.stop_gradient((query, k_cmp, lse))
+    b, t, hq, d = query.shape
+    hkv = heads_kv
+    n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
+    n_blocks = -(-t // block_size)
+    take = min(count, n_blocks)
+    if backend == "triton":
+        scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale)
+        chosen = []
+        for lo in range(0, t, SELECT_CHUNK):
+            ranked, order = jax.lax.top_k(scores[:, lo:lo + SELECT_CHUNK], take)
+            chosen.append(jnp.where(ranked == -jnp.inf, -1, order).astype(jnp.int32))
+        return _pad_slots(jnp.concatenate(chosen, axis=1), count)
+    chosen = []
+    for lo in range(0, t, SELECT_CHUNK):
+        hi = min(t, lo + SELECT_CHUNK)
+        pos = jnp.arange(lo, hi)
+        score = jnp.zeros((b, hi - lo, hkv, n_blocks), jnp.float32)
+        if n_cmp:
+            q = query[:, lo:hi].astype(jnp.float32).reshape(b, hi - lo, hkv, hq // hkv, d)
+            s = jnp.einsum("bthgd,bchd->bthgc", q, k_cmp.astype(jnp.float32)) * scale
+            row_lse = jnp.transpose(lse[:, :, lo:hi].reshape(b, hkv, hq // hkv, hi - lo), (0, 3, 1, 2))
+            visible = ((jnp.arange(n_cmp) + 1) * block_size - 1) <= pos[:, None]
+            p = jnp.where(visible[None, :, None, None, :], jnp.exp(s - row_lse[..., None]), 0.0)
+            score = score.at[..., :n_cmp].set(p.sum(3))
+        own = pos // block_size
+        blocks = jnp.arange(n_blocks)
+        score = jnp.where((blocks[None, :] > own[:, None])[None, :, None, :], -jnp.inf, score)
+        score = jnp.where((blocks[None, :] == own[:, None])[None, :, None, :], jnp.inf, score)
+        ranked, order = jax.lax.top_k(score, take)
+        chosen.append(jnp.where(ranked == -jnp.inf, -1, order).astype(jnp.int32))
+    return _pad_slots(jnp.concatenate(chosen, axis=1), count)
+
+
+def _pad_slots(chosen, count: int):
+    """-1 in the slots past the number of blocks a sequence has."""
+    return jnp.pad(chosen, [(0, 0)] * 3 + [(0, count - chosen.shape[-1])], constant_values=-1)
+
+
+def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=None, block_indices=None,
+                            block_counts=16, block_size: int = 64, window_size: int = 0,
+                            softmax_scale: Optional[float] = None, cu_seqlens=None, return_block_indices: bool = False,
+                            backend: str = "auto"):
+    """Native sparse attention; same arguments and result as the torch front end
+    (dualattn.torch_api.native_sparse_attention), plus backend "triton", "xla" or "auto".
+
+    With cu_seqlens, the compressed branch and the selection run per sequence, so they need the
+    table's values (a concrete array, not a traced one); the selected and sliding branches take it traced.
+    """
+    counts_array = block_counts if hasattr(block_counts, "shape") and len(block_counts.shape) else None
+    check_arrays(query=query, key=key, value=value, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa,
+                 block_indices=block_indices, block_counts=counts_array, cu_seqlens=cu_seqlens)
+    b, t, hq, hkv, d, _, _ = checks.check_qkv(query, key, value, cu_seqlens)
+    checks.check_gates(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), b, t, hq)
+    block_size = checks.check_block_size(block_size)
+    window_size = checks._check_int("window_size", window_size, 0)
+    scale = checks.default_scale(d, softmax_scale)
+    backend = _backend(backend)
+    cu_values = _concrete(cu_seqlens)
+    if cu_values is not None:
+        checks.varlen_bounds(cu_values, t)
+    need_selection = g_slc is not None or return_block_indices
+    if block_indices is None and need_selection:
+        count = checks._check_int("block_counts", block_counts, 1)
+    if cu_seqlens is not None and cu_values is None and (g_cmp is not None or block_indices is None):
+        raise ValueError("cu_seqlens must be a concrete array (not traced) for the compressed branch and the "
+                         "selection, which run per sequence")
+    out = None
+    if g_cmp is not None or (block_indices is None and need_selection):
+        outs, chosen = [], []
+        for lo, hi in checks.sequences(cu_values, t):
+            o_cmp, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale,
+                                            backend)
+            outs.append(o_cmp)
+            if block_indices is None and need_selection:
+                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale, backend))
+        if g_cmp is not None:
+            out = g_cmp.astype(query.dtype)[..., None] * jnp.concatenate(outs, axis=1)
+        if chosen:
+            block_indices = jnp.concatenate(chosen, axis=1)
+    if g_slc is not None:
+        o_slc = apply_native_sparse_attention(query, key, value, block_indices, block_counts, block_size, scale,
+                                              cu_seqlens, backend)
+        term = g_slc.astype(query.dtype)[..., None] * o_slc
+        out = term if out is None else out + term
+    if g_swa is not None and window_size > 0:
+        if cu_seqlens is None:
+            o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
+                                    softmax_scale=scale, backend=backend)
+        else:
+            longest = t if cu_values is None else max(hi - lo for lo, hi in checks.sequences(cu_values, t))
+            o_swa = flash_attention_varlen(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
+                                           causal=True, sliding_window=(window_size, 0), softmax_scale=scale,
+                                           backend=backend)[None]
+        term = g_swa.astype(query.dtype)[..., None] * o_swa
+        out = term if out is None else out + term
+    if out is None:   # only a sliding gate, with window_size 0: that branch is left out too
+        out = jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype)
+    return (out, block_indices) if return_block_indices else out

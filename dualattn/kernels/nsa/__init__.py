@@ -1,0 +1,1 @@
+"""Native sparse attention (NSA): the selected-branch kernels and their launch plan (Triton only)."""

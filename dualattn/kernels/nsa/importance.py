@@ -1,0 +1,60 @@
+"""NSA block importance: the compressed-branch probabilities summed over a KV group's heads, per token
+and key block, for the top-k selection (not differentiated).
+
+    scores[b, t, h_kv, c] = sum over the group's heads of exp(q_t . kc_c * scale - lse_t)   c visible to t
+                          = +inf                                                             c = t's own block
+                          = -inf                                                             c after t's own block
+
+with kc_c the pooled key of block c (visible to t iff (c + 1) * block_size - 1 <= t) and lse the
+compressed branch's (natural log, (B, Hq, T)).  Fused: the (T, Hq, blocks) probabilities never
+reach memory, only the (T, Hkv, blocks) sums.  The rows are the selected-branch kernels' (a
+program owns a KV group's heads for TOKENS tokens), so the group sum is a reduction over a tile axis.
+"""
+import triton
+import triton.language as tl
+
+from ..flash.rules import LOG2E
+from .selected import group_rows, head_base, program_rows
+
+IMPORTANCE_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_lb",
+                   "stride_lh", "stride_ls", "stride_sb", "stride_ss", "stride_sh", "seqlen", "num_heads_kv",
+                   "num_cmp", "num_blocks"]
+
+
+@triton.jit(do_not_specialize=IMPORTANCE_INTS)
+def nsa_importance_kernel(
+    Q, K_CMP, LSE,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_ss, stride_sh, seqlen, num_heads_kv, num_cmp, num_blocks, sm_scale,
+    SCORES,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b, h_kv, start, seq_len, t0, t_rows, h_rows, row_ok = program_rows(
+        Q, seqlen, 0, num_heads_kv, TOKENS, GROUP, GROUP_PAD, False)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM, BLOCK_D)
+    q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    lse = tl.load(LSE + b * stride_lb + h_rows * stride_lh + t_rows * stride_ls, mask=row_ok, other=float("-inf"))
+    # A row that sees no pooled block yet has lse -inf and contributes 0 (the mask below).
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    K_HEAD = head_base(K_CMP, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+    t_tok = t0 + tl.arange(0, TOKENS)
+    own = (t_tok // BLOCK_SIZE)[:, None]
+    # Tiles after the program's last own block hold only -inf: no scores to compute there.
+    c_end = (tl.minimum(t0 + TOKENS, seq_len) - 1) // BLOCK_SIZE + 1
+    qk_scale = sm_scale * LOG2E
+    for c0 in tl.range(0, num_blocks, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        imp = tl.full([TOKENS, BLOCK_C], 0.0, tl.float32)
+        if c0 < c_end:
+            kc = tl.load(K_HEAD + offs_c[:, None] * stride_ks + offs_d[None, :],
+                         mask=(offs_c[:, None] < num_cmp) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_C]
+            visible = row_ok[:, None] & (offs_c[None, :] < num_cmp) & (
+                (offs_c[None, :] + 1) * BLOCK_SIZE - 1 <= t_rows[:, None])
+            p = tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            imp = tl.reduce(tl.reshape(p, [TOKENS, GROUP_PAD, BLOCK_C]), 1, tl.standard._sum_combine)
+        imp = tl.where(offs_c[None, :] == own, float("inf"), tl.where(offs_c[None, :] > own, float("-inf"), imp))
+        tl.store(SCORES + b * stride_sb + t_tok[:, None] * stride_ss + h_kv * stride_sh + offs_c[None, :], imp,
+                 mask=(t_tok[:, None] < seq_len) & (offs_c[None, :] < num_blocks))

@@ -1,0 +1,275 @@
+"""NSA selected branch: attention over per-token lists of key blocks, forward and backward.
+
+Token t of KV head h_kv attends key j iff j <= t and j's block (j // BLOCK_SIZE) is one of its
+valid selections: entries s < count[t], >= 0 and <= t // BLOCK_SIZE of BLOCK_INDICES[b, t, h_kv, :]
+(duplicates count once).  All query heads of a KV group share the selection.
+
+Grid: (cdiv(max seqlen, TOKENS), batch * Hkv).  A program owns TOKENS consecutive tokens of one
+KV group and all GROUP query heads of each, as BLOCK_M = TOKENS * GROUP_PAD rows
+(row r = token r // GROUP_PAD, head r % GROUP_PAD; padding heads are masked):
+
+    rows  t0:h0 t0:h1 .. t0:hG-1 [pad] | t1:h0 .. | ...      (TOKENS * GROUP_PAD >= 16)
+
+so a selected K/V block is loaded once for the whole group, and for groups under 16 heads (the
+tensor-core minimum) the rows are filled with more tokens instead of idle padding.  The program
+walks the union of its tokens' selections: each distinct block once (the first entry that names
+it), every row masked to the tokens that selected it (plan.py picks TOKENS).  With SCAN_BLOCKS
+(short sequences, where a token has fewer blocks to its left than the program has entries) it
+walks the blocks up to its last token's own block instead and skips those no row selected.
+
+Backward: one pass over the same union computes dQ in registers and adds each block's dK / dV
+contributions to fp32 buffers with atomics (see plan.py for why not a key-major pass).
+Scores live in log2 units inside the kernels; the lse is stored in natural log, (B, T, Hq) fp32.
+"""
+import triton
+import triton.language as tl
+
+from ..flash.rules import LN2, LOG2E, load_tile, reduce_max, reduce_sum, sequence_bounds
+
+NSA_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+            "stride_vh", "stride_ib", "stride_is", "stride_ih", "stride_cb", "stride_cs", "stride_ch",
+            "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh", "seqlen", "total",
+            "num_heads_kv", "block_count"]
+
+
+@triton.jit
+def program_rows(CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS: tl.constexpr, GROUP: tl.constexpr,
+                 GROUP_PAD: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(batch index in memory, KV head, sequence start, length, first token, row tokens, row heads,
+    row valid) of this program.  Row tokens are positions inside the sequence; heads are query heads."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_kv
+    h_kv = pid_bh % num_heads_kv
+    start, _, seq_len, _ = sequence_bounds(b, CU_SEQLENS, CU_SEQLENS, seqlen, seqlen, total, total, IS_VARLEN)
+    if IS_VARLEN:
+        b = 0
+    t0 = pid_t * TOKENS
+    offs_r = tl.arange(0, TOKENS * GROUP_PAD)
+    t_rows = t0 + offs_r // GROUP_PAD
+    g_rows = offs_r % GROUP_PAD
+    row_ok = (g_rows < GROUP) & (t_rows < seq_len)
+    # (tl.cast: without varlen, b and start are constants here.)
+    return (tl.cast(b, tl.int64), h_kv, tl.cast(start, tl.int64), seq_len, t0, t_rows, h_kv * GROUP + g_rows,
+            row_ok)
+
+
+@triton.jit
+def head_base(BASE, b, start, h, stride_b, stride_s, stride_h):
+    """Where head h of batch b's sequence (starting at row `start`) begins."""
+    return BASE + b * stride_b + start * stride_s + h * stride_h
+
+
+@triton.jit
+def group_rows(b, start, t_rows, h_rows, row_ok, stride_b, stride_s, stride_h, N_COLS: tl.constexpr,
+               BLOCK_COLS: tl.constexpr):
+    """(element offsets, mask) of the program's [BLOCK_M, BLOCK_COLS] rows (token t_rows, head h_rows)."""
+    offs_c = tl.arange(0, BLOCK_COLS)
+    rows = b * stride_b + (start + t_rows) * stride_s + h_rows * stride_h
+    return rows[:, None] + offs_c[None, :], row_ok[:, None] & (offs_c[None, :] < N_COLS)
+
+
+@triton.jit
+def selection_tile(IDX_HEAD, COUNT_HEAD, t_rows, seq_len, stride_is, stride_cs, block_count,
+                   NUM_SLOTS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   PER_TOKEN_COUNTS: tl.constexpr):
+    """[BLOCK_M, BLOCK_SLOTS] the selected blocks of each row's token, -1 where an entry does not
+    count (past the count, negative, after the token's own block, or a token past the end)."""
+    offs_s = tl.arange(0, BLOCK_SLOTS)
+    in_seq = t_rows < seq_len
+    t_safe = tl.where(in_seq, t_rows, 0)
+    idx = tl.load(IDX_HEAD + t_safe[:, None] * stride_is + offs_s[None, :],
+                  mask=in_seq[:, None] & (offs_s[None, :] < NUM_SLOTS), other=-1)
+    if PER_TOKEN_COUNTS:
+        count = tl.load(COUNT_HEAD + t_safe * stride_cs, mask=in_seq, other=0)
+    else:
+        count = tl.where(in_seq, block_count, 0)
+    ok = (offs_s[None, :] < count[:, None]) & (idx >= 0) & (idx <= (t_safe // BLOCK_SIZE)[:, None])
+    return tl.where(ok, idx, -1)
+
+
+@triton.jit
+def selection_steps(t0, seq_len, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    SCAN_BLOCKS: tl.constexpr):
+    """How many steps the program's loop takes: one per selection entry of its tokens, or with
+    SCAN_BLOCKS one per key block up to its last token's own block (plan.scan_blocks)."""
+    if SCAN_BLOCKS:
+        return (tl.minimum(t0 + TOKENS, seq_len) - 1) // BLOCK_SIZE + 1
+    else:
+        return TOKENS * NUM_SLOTS
+
+
+@triton.jit
+def selection_step(step, IDX_HEAD, COUNT_HEAD, selected, t0, seq_len, stride_is, stride_cs, block_count,
+                   NUM_SLOTS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, PER_TOKEN_COUNTS: tl.constexpr, SCAN_BLOCKS: tl.constexpr):
+    """(block, visit, row_selected) of loop step `step`: row_selected [BLOCK_M] marks the rows whose
+    token selected `block`, and `visit` says whether the program computes it at this step.
+
+    SCAN_BLOCKS: step = block, visited iff some row selected it.  Otherwise step = entry (token
+    t0 + step // NUM_SLOTS, slot step % NUM_SLOTS) of the program's selections, visited iff it
+    counts and no earlier entry of the program names the same block: each distinct block once.
+    """
+    if SCAN_BLOCKS:
+        block = step
+        row_selected = tl.reduce(tl.where(selected == block, 1, 0), 1, tl.standard._elementwise_max) > 0
+        visit = tl.reduce(row_selected.to(tl.int32), 0, tl.standard._elementwise_max) > 0
+    else:
+        i = step // NUM_SLOTS
+        slot = step % NUM_SLOTS
+        t = t0 + i
+        in_seq = t < seq_len
+        t_safe = tl.where(in_seq, t, 0)
+        block = tl.load(IDX_HEAD + t_safe * stride_is + slot)
+        if PER_TOKEN_COUNTS:
+            count = tl.load(COUNT_HEAD + t_safe * stride_cs)
+        else:
+            count = block_count
+        counts = in_seq & (slot < count) & (block >= 0) & (block <= t_safe // BLOCK_SIZE)
+        offs_r = tl.arange(0, selected.shape[0])
+        offs_s = tl.arange(0, BLOCK_SLOTS)
+        tok_r = (offs_r // GROUP_PAD)[:, None]
+        earlier = (tok_r < i) | ((tok_r == i) & (offs_s[None, :] < slot))   # [BLOCK_M, BLOCK_SLOTS]
+        hit = selected == block
+        seen = tl.reduce(tl.where(hit & earlier, 1, 0), None, tl.standard._elementwise_max)
+        row_selected = tl.reduce(tl.where(hit, 1, 0), 1, tl.standard._elementwise_max) > 0
+        visit = counts & (seen == 0)
+    return block, visit, row_selected
+
+
+@triton.jit(do_not_specialize=NSA_INTS)
+def nsa_fwd_kernel(
+    Q, K, V, BLOCK_INDICES, BLOCK_COUNTS, CU_SEQLENS,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ib, stride_is, stride_ih, stride_cb, stride_cs, stride_ch,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+    seqlen, total, num_heads_kv, block_count, sm_scale,
+    O, LSE,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PER_TOKEN_COUNTS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
+):
+    tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    b, h_kv, start, seq_len, t0, t_rows, h_rows, row_ok = program_rows(
+        CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS, GROUP, GROUP_PAD, IS_VARLEN)
+    if t0 < seq_len:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                                    BLOCK_D)
+        q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+        K_HEAD = head_base(K, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+        V_HEAD = head_base(V, b, start, h_kv, stride_vb, stride_vs, stride_vh)
+        IDX_HEAD = head_base(BLOCK_INDICES, b, start, h_kv, stride_ib, stride_is, stride_ih)
+        COUNT_HEAD = head_base(BLOCK_COUNTS, b, start, h_kv, stride_cb, stride_cs, stride_ch)
+        selected = selection_tile(IDX_HEAD, COUNT_HEAD, t_rows, seq_len, stride_is, stride_cs, block_count,
+                                  NUM_SLOTS, BLOCK_SLOTS, BLOCK_SIZE, PER_TOKEN_COUNTS)
+        qk_scale = sm_scale * LOG2E
+        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.full([TOKENS * GROUP_PAD], 0.0, tl.float32)
+        acc = tl.full([TOKENS * GROUP_PAD, BLOCK_DV], 0.0, tl.float32)
+        for step in tl.range(0, selection_steps(t0, seq_len, TOKENS, NUM_SLOTS, BLOCK_SIZE, SCAN_BLOCKS)):
+            block, visit, row_selected = selection_step(step, IDX_HEAD, COUNT_HEAD, selected, t0, seq_len,
+                                                        stride_is, stride_cs, block_count, NUM_SLOTS, BLOCK_SLOTS,
+                                                        GROUP_PAD, BLOCK_SIZE, PER_TOKEN_COUNTS, SCAN_BLOCKS)
+            if visit:
+                for sub in tl.range(0, BLOCK_SIZE, BLOCK_N):
+                    offs_n = block * BLOCK_SIZE + sub + tl.arange(0, BLOCK_N)
+                    k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_len, offs_d,
+                                  HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+                    ok = row_selected[:, None] & (offs_n[None, :] <= t_rows[:, None])
+                    s = tl.where(ok, qk * qk_scale, float("-inf"))
+                    m_new = tl.maximum(m_i, reduce_max(s, 1))
+                    # A row with nothing visible yet keeps m = -inf; shift by 0 to avoid inf - inf.
+                    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp2(s - m_shift[:, None])
+                    alpha = tl.exp2(m_i - m_shift)
+                    l_i = l_i * alpha + reduce_sum(p, 1)
+                    v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seq_len, offs_dv,
+                                  HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+                    m_i = m_new
+        # A row that selected nothing (or a padding row) gives 0 and lse -inf, never NaN.
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+        o_offs, o_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_ob, stride_os, stride_oh, HEAD_DIM_V,
+                                    BLOCK_DV)
+        tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + b * stride_lb + (start + t_rows) * stride_ls + h_rows * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=NSA_INTS)
+def nsa_bwd_kernel(
+    Q, K, V, OUT, DOUT, LSE, BLOCK_INDICES, BLOCK_COUNTS, CU_SEQLENS,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ib, stride_is, stride_ih, stride_cb, stride_cs, stride_ch,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+    seqlen, total, num_heads_kv, block_count, sm_scale,
+    DQ, DK, DV,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PER_TOKEN_COUNTS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
+):
+    # dQ (strides of Q) is written once per row; dK, dV are fp32 (strides of K, V) and take
+    # every program's contribution by atomic add (zeroed beforehand).  OUT and DOUT share O's
+    # strides.
+    tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    b, h_kv, start, seq_len, t0, t_rows, h_rows, row_ok = program_rows(
+        CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS, GROUP, GROUP_PAD, IS_VARLEN)
+    if t0 < seq_len:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                                    BLOCK_D)
+        q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+        o_offs, o_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_ob, stride_os, stride_oh,
+                                    HEAD_DIM_V, BLOCK_DV)
+        o = tl.load(OUT + o_offs, mask=o_mask, other=0.0)
+        # (dO shares O's strides: the front ends pass it contiguous.)
+        do = tl.load(DOUT + o_offs, mask=o_mask, other=0.0)  # [BLOCK_M, BLOCK_DV]
+        delta = reduce_sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+        lse = tl.load(LSE + b * stride_lb + (start + t_rows) * stride_ls + h_rows * stride_lh, mask=row_ok,
+                      other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+        K_HEAD = head_base(K, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+        V_HEAD = head_base(V, b, start, h_kv, stride_vb, stride_vs, stride_vh)
+        DK_HEAD = head_base(DK, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+        DV_HEAD = head_base(DV, b, start, h_kv, stride_vb, stride_vs, stride_vh)
+        IDX_HEAD = head_base(BLOCK_INDICES, b, start, h_kv, stride_ib, stride_is, stride_ih)
+        COUNT_HEAD = head_base(BLOCK_COUNTS, b, start, h_kv, stride_cb, stride_cs, stride_ch)
+        selected = selection_tile(IDX_HEAD, COUNT_HEAD, t_rows, seq_len, stride_is, stride_cs, block_count,
+                                  NUM_SLOTS, BLOCK_SLOTS, BLOCK_SIZE, PER_TOKEN_COUNTS)
+        qk_scale = sm_scale * LOG2E
+        dq = tl.full([TOKENS * GROUP_PAD, BLOCK_D], 0.0, tl.float32)
+        for step in tl.range(0, selection_steps(t0, seq_len, TOKENS, NUM_SLOTS, BLOCK_SIZE, SCAN_BLOCKS)):
+            block, visit, row_selected = selection_step(step, IDX_HEAD, COUNT_HEAD, selected, t0, seq_len,
+                                                        stride_is, stride_cs, block_count, NUM_SLOTS, BLOCK_SLOTS,
+                                                        GROUP_PAD, BLOCK_SIZE, PER_TOKEN_COUNTS, SCAN_BLOCKS)
+            if visit:
+                for sub in tl.range(0, BLOCK_SIZE, BLOCK_N):
+                    offs_n = block * BLOCK_SIZE + sub + tl.arange(0, BLOCK_N)
+                    k_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+                    v_mask = (offs_n[:, None] < seq_len) & (offs_dv[None, :] < HEAD_DIM_V)
+                    k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_len, offs_d,
+                                  HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+                    v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seq_len, offs_dv,
+                                  HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+                    ok = row_selected[:, None] & (offs_n[None, :] <= t_rows[:, None]) & row_ok[:, None]
+                    p = tl.where(ok, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+                    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+                    ds = p * (dp - delta[:, None])
+                    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+                    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION) * sm_scale
+                    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+                    tl.atomic_add(DK_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], dk, mask=k_mask,
+                                  sem="relaxed")
+                    tl.atomic_add(DV_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], dv, mask=v_mask,
+                                  sem="relaxed")
+        tl.store(DQ + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)

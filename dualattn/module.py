@@ -1,0 +1,510 @@
+"""One entry for every attention algorithm in both frameworks: `attention`, `Attention`, `MaskInfo`.
+
+    out = dualattn.attention(q, k, v, causal=True)                       # torch in -> torch out
+    out = dualattn.attention(q, k, v, mask_info=info, algorithm="auto")  # jax in -> jax out
+    layer = dualattn.Attention(algorithm="flash", causal=True)           # the same, as a callable object
+
+A call is dispatched through a registry keyed by (algorithm, platform, backend):
+
+    algorithm  "flash" | "blocksparse" | "ring" | "nsa"    ("auto" picks flash or blocksparse, below)
+    platform   "torch" | "jax"    the framework the inputs belong to (the front end places the work on
+                                  their device: CUDA through compiled Triton, CPU through the interpreter)
+    backend    torch: "triton"; jax: "triton" | "xla" | "pallas"  ("auto": the jax front end's choice)
+
+Each entry names its function by module path and is imported on first use, so an algorithm whose
+module is not part of this install fails with an error that says so, and a missing
+(algorithm, platform, backend) lists what is registered.  Launch configs come from the executor
+(`dualattn.executor`): `config=` pins one, then memory, the cache file shared by torch and jax,
+autotuning (`autotune=True`) and the heuristics, in that order.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import sys
+import threading
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+
+import numpy as np
+
+from . import executor
+from .options import canonical_window
+from .sparse import SparseMask, as_numpy
+
+# `auto` runs blocksparse when the mask leaves fewer than this fraction of the key blocks flash would
+# visit (flash already skips blocks outside the causal/window band): below it, skipping blocks saves
+# more than the block lists cost.
+AUTO_BLOCKSPARSE_DENSITY = 0.5
+# Tile of the layouts `auto` / `blocksparse` build from segment ids.
+AUTO_BLOCK = 64
+
+PLATFORMS = ("torch", "jax")
+_JAX_BACKEND_ORDER = ("xla", "triton", "pallas")   # after the front end's own choice: xla runs anywhere
+
+
+class NoImplementationError(LookupError):
+    """No implementation is registered (or importable) for an (algorithm, platform, backend)."""
+
+
+# ----------------------------------------------------------------------------- registry
+
+# The common keyword arguments each algorithm's functions take (anything else a caller passes goes
+# to the function as is: ring's axis_name / group, nsa's gates and block_size, ...).
+_FLASH_ARGS = frozenset({"softmax_scale", "causal", "sliding_window", "logits_soft_cap", "softmax_aux",
+                         "q_segment_ids", "kv_segment_ids", "attention_mask", "bias", "dropout_prob",
+                         "dropout_seed", "return_lse"})
+_BLOCKSPARSE_ARGS = frozenset({"layout", "softmax_scale", "causal", "sliding_window", "logits_soft_cap",
+                               "softmax_aux", "q_segment_ids", "kv_segment_ids", "return_lse"})
+_RING_ARGS = frozenset({"softmax_scale", "causal", "sliding_window", "logits_soft_cap", "softmax_aux",
+                        "q_segment_ids", "kv_segment_ids", "return_lse"})
+_NSA_ARGS = frozenset({"softmax_scale", "causal"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One registered implementation.
+
+    target: "package.module:function", imported on first use.
+    accepts: the common keyword arguments (mask fields and flash options) the function takes;
+        passing another one to `attention` with this algorithm raises ValueError.
+    config_algorithm: the executor entry whose configs `config=` pins (flash kernels: "flash").
+    causal_only: the algorithm is causal by definition (nsa): causal=False is rejected, and the
+        function is not passed `causal`.
+    """
+
+    algorithm: str
+    platform: str
+    backend: str
+    target: str
+    accepts: FrozenSet[str]
+    config_algorithm: str = "flash"
+    causal_only: bool = False
+
+    @property
+    def name(self) -> Tuple[str, str, str]:
+        return self.algorithm, self.platform, self.backend
+
+    def load(self) -> Callable:
+        module_name, _, attr = self.target.partition(":")
+        # A loaded module is read from sys.modules: torch.compile traces that, not import_module.
+        module = sys.modules.get(module_name)
+        fn = getattr(module, attr, None)
+        if fn is not None:
+            return fn
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise   # a dependency of the module is missing: its own message says which
+            raise NoImplementationError(
+                f"{'/'.join(self.name)} is registered to {self.target}, but the module {module_name} is not "
+                f"part of this install of dualattn") from e
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise NoImplementationError(
+                f"{'/'.join(self.name)} is registered to {self.target}, but {module_name} has no {attr!r} in this "
+                f"install of dualattn")
+        return fn
+
+
+_IMPLEMENTATIONS: Dict[Tuple[str, str, str], Implementation] = {}
+_LOCK = threading.Lock()
+
+
+def register_implementation(algorithm: str, platform: str, backend: str, target: str, accepts, *,
+                            config_algorithm: str = "flash", causal_only: bool = False,
+                            replace: bool = False) -> Implementation:
+    """Register `target` ("module:function") as the implementation of (algorithm, platform, backend)."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    impl = Implementation(algorithm, platform, backend, target, frozenset(accepts), config_algorithm, causal_only)
+    with _LOCK:
+        if impl.name in _IMPLEMENTATIONS and not replace:
+            raise ValueError(f"{'/'.join(impl.name)} is already registered (pass replace=True to swap it)")
+        _IMPLEMENTATIONS[impl.name] = impl
+    return impl
+
+
+def register_algorithm(algorithm: str, *, torch: Optional[str], jax: Optional[str], accepts,
+                       jax_backends=("triton", "xla"), **kwargs) -> None:
+    """One algorithm in both frameworks: torch's function on backend "triton", jax's on each of
+    `jax_backends` (the jax function takes `backend=`)."""
+    if torch is not None:
+        register_implementation(algorithm, "torch", "triton", torch, accepts, **kwargs)
+    for backend in jax_backends if jax is not None else ():
+        register_implementation(algorithm, "jax", backend, jax, accepts, **kwargs)
+
+
+def implementations() -> List[Tuple[str, str, str]]:
+    """The registered (algorithm, platform, backend) names."""
+    return sorted(_IMPLEMENTATIONS)
+
+
+def _registered_text() -> str:
+    return ", ".join("/".join(k) for k in implementations())
+
+
+def get_implementation(algorithm: str, platform: str, backend: str = "auto") -> Implementation:
+    """The implementation for (algorithm, platform, backend); backend "auto": torch "triton", jax the
+    jax front end's choice for its default device when registered, else the first registered of
+    xla, triton, pallas."""
+    if backend == "auto":
+        if platform == "jax":
+            from .jax_api.flash import _resolve_backend
+            order = (_resolve_backend("auto"),) + _JAX_BACKEND_ORDER
+        else:
+            order = ("triton",)
+        for b in order:
+            if (algorithm, platform, b) in _IMPLEMENTATIONS:
+                return _IMPLEMENTATIONS[(algorithm, platform, b)]
+    elif (algorithm, platform, backend) in _IMPLEMENTATIONS:
+        return _IMPLEMENTATIONS[(algorithm, platform, backend)]
+    raise NoImplementationError(f"no attention implementation registered for algorithm={algorithm!r}, "
+                                f"platform={platform!r}, backend={backend!r}; registered: {_registered_text()}")
+
+
+# Each algorithm is one registration.  ring and nsa resolve through their front-end packages, so they
+# work as soon as dualattn.torch_api / dualattn.jax_api export them.
+register_algorithm("flash", torch="dualattn.torch_api.flash:flash_attention",
+                   jax="dualattn.jax_api.flash:flash_attention", accepts=_FLASH_ARGS,
+                   jax_backends=("triton", "xla", "pallas"))
+register_algorithm("blocksparse", torch="dualattn.torch_api.blocksparse:blocksparse_attention",
+                   jax="dualattn.jax_api.blocksparse:blocksparse_attention", accepts=_BLOCKSPARSE_ARGS)
+register_algorithm("ring", torch="dualattn.torch_api:ring_attention", jax="dualattn.jax_api:ring_attention",
+                   accepts=_RING_ARGS)
+register_algorithm("nsa", torch="dualattn.torch_api:native_sparse_attention",
+                   jax="dualattn.jax_api:native_sparse_attention", accepts=_NSA_ARGS, config_algorithm="nsa",
+                   causal_only=True)
+
+ALGORITHMS = ("auto", "flash", "blocksparse", "ring", "nsa")
+
+
+# ----------------------------------------------------------------------------- MaskInfo
+
+def _is_symbolic(x) -> bool:
+    """Whether x's values are unknown on the host now (a jax tracer, or torch.compile tracing)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return bool(torch.compiler.is_compiling())
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.core.Tracer)
+
+
+def _where(cond, a: int, b: int):
+    """where(cond, a, b) as int32 in cond's framework."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(cond, torch.Tensor):
+        return torch.where(cond.bool(), a, b).to(torch.int32)
+    import jax.numpy as jnp
+    return jnp.where(jnp.asarray(cond).astype(bool), a, b).astype(jnp.int32)
+
+
+def _segment_block_map(q_ids: np.ndarray, kv_ids: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """(B, 1, nq, nk): blocks holding some query and key with equal segment ids."""
+    batch, sq = q_ids.shape
+    sk = kv_ids.shape[1]
+    ids, inverse = np.unique(np.concatenate([q_ids, kv_ids], axis=1), return_inverse=True)
+    inverse = inverse.reshape(batch, sq + sk)
+    nq, nk = -(-sq // block_q), -(-sk // block_k)
+    q_has = np.zeros((batch, ids.size, nq), dtype=bool)   # [B, ids, q blocks]
+    k_has = np.zeros((batch, ids.size, nk), dtype=bool)   # [B, ids, k blocks]
+    rows = np.arange(batch)[:, None]
+    q_has[rows, inverse[:, :sq], np.arange(sq)[None] // block_q] = True
+    k_has[rows, inverse[:, sq:], np.arange(sk)[None] // block_k] = True
+    return np.einsum("bip,biq->bpq", q_has, k_has)[:, None]
+
+
+class MaskInfo:
+    """Which (query, key) pairs may attend, built once per batch and shared by every layer.
+
+    Holds any of
+        attention_mask  bool/int (B|1, H|1, Sq, Sk), True = may attend          (flash)
+        q_segment_ids, kv_segment_ids  int (B, Sq) / (B, Sk): attend within equal ids; one given
+                        serves both (Sq == Sk)                                  (flash, blocksparse, ring)
+        layout          a dualattn.SparseMask: only its active blocks are computed  (blocksparse)
+    in the framework of the attention inputs.  Each algorithm takes the fields it understands and
+    rejects the others with a ValueError naming them (a field is never dropped silently).
+
+    Padding is best given as segment ids (`from_padding`, `from_lengths`): the kernels then skip
+    padded keys by comparing ids, without an Sq x Sk mask in memory.  Padded query rows attend nothing
+    and give zeros.
+
+    With algorithm="auto", `attention` runs blocksparse when a layout is given, or when the segment
+    ids leave fewer than AUTO_BLOCKSPARSE_DENSITY (0.5) of the key blocks flash would visit (the
+    causal/window band) active, at AUTO_BLOCK (64) token tiles — packed short documents, heavy
+    padding; the layout it builds for that is cached here, per shape and mask options.  Under
+    jax.jit or torch.compile the ids' values are unknown when the choice is made, so auto then
+    runs flash unless a layout is given.
+    """
+
+    def __init__(self, attention_mask=None, q_segment_ids=None, kv_segment_ids=None, layout: Optional[SparseMask] = None):
+        if layout is not None and not isinstance(layout, SparseMask):
+            raise TypeError(f"layout must be a dualattn.SparseMask (SparseMask.from_block_map), got {type(layout)}")
+        if q_segment_ids is None and kv_segment_ids is not None or q_segment_ids is not None and kv_segment_ids is None:
+            q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
+            kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        self.attention_mask = attention_mask
+        self.q_segment_ids = q_segment_ids
+        self.kv_segment_ids = kv_segment_ids
+        self.layout = layout
+        self._layouts: Dict[tuple, Optional[SparseMask]] = {}
+        _register_pytree()
+
+    # -- constructors ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_padding(cls, padding_mask, *, seqlen_q: Optional[int] = None, layout: Optional[SparseMask] = None):
+        """From a (B, Sk) padding mask (True / 1 = a real token), as HF tokenizers return it.
+
+        Keys are the Sk positions; queries the last `seqlen_q` of them (default all: self-attention;
+        fewer: decoding with a cache).  Padded keys get id -1, padded queries -2, real tokens 0, so
+        real queries see only real keys and padded queries nothing.
+        """
+        seqlen_q = padding_mask.shape[1] if seqlen_q is None else int(seqlen_q)
+        return cls(q_segment_ids=_where(padding_mask[:, padding_mask.shape[1] - seqlen_q:], 0, -2),
+                   kv_segment_ids=_where(padding_mask, 0, -1), layout=layout)
+
+    @classmethod
+    def from_lengths(cls, q_lengths, kv_lengths=None, *, seqlen_q: int, seqlen_k: Optional[int] = None):
+        """From per-sequence valid lengths (B,) (right padding): position t is real iff t < length."""
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+        kv_lengths = q_lengths if kv_lengths is None else kv_lengths
+
+        def ids(lengths, n: int, pad: int):
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(lengths, torch.Tensor):
+                pos = torch.arange(n, device=lengths.device)[None, :]
+                return _where(pos < lengths.reshape(-1, 1), 0, pad)
+            import jax.numpy as jnp
+            return _where(jnp.arange(n)[None, :] < jnp.asarray(lengths).reshape(-1, 1), 0, pad)
+
+        return cls(q_segment_ids=ids(q_lengths, seqlen_q, -2), kv_segment_ids=ids(kv_lengths, seqlen_k, -1))
+
+    # -- what algorithms read ---------------------------------------------------------------------
+
+    def fields(self) -> Dict[str, Any]:
+        """The given fields by the keyword names the front ends take."""
+        given = {"attention_mask": self.attention_mask, "q_segment_ids": self.q_segment_ids,
+                 "kv_segment_ids": self.kv_segment_ids, "layout": self.layout}
+        return {k: v for k, v in given.items() if v is not None}
+
+    def segment_layout(self, *, heads: int, seqlen_q: int, seqlen_k: int, causal: bool, sliding_window=None,
+                       block: Optional[int] = None) -> Optional[SparseMask]:
+        """The layout of blocks the segment ids (and the causal/window band) leave active, or None when
+        there are no segment ids or their values are not known now (traced).  Cached per arguments."""
+        if self.q_segment_ids is None or _is_symbolic(self.q_segment_ids) or _is_symbolic(self.kv_segment_ids):
+            return None
+        block = block or AUTO_BLOCK
+        key = (heads, seqlen_q, seqlen_k, causal, sliding_window if not isinstance(sliding_window, list)
+               else tuple(sliding_window), block)
+        if key not in self._layouts:
+            q_ids, kv_ids = as_numpy(self.q_segment_ids), as_numpy(self.kv_segment_ids)
+            if q_ids.shape[1] != seqlen_q or kv_ids.shape[1] != seqlen_k:
+                raise ValueError(f"mask_info segment ids have lengths ({q_ids.shape[1]}, {kv_ids.shape[1]}) but the "
+                                 f"query and key have ({seqlen_q}, {seqlen_k})")
+            block_map = _segment_block_map(q_ids, kv_ids, block, block) & _band_map(seqlen_q, seqlen_k, causal,
+                                                                                   sliding_window, block)
+            self._layouts[key] = SparseMask.from_block_map(block_map, block, block)
+        return self._layouts[key]
+
+    def block_density(self, *, heads: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
+                      sliding_window=None, block: Optional[int] = None) -> Optional[float]:
+        """Active blocks of the layout (given, or built from the segment ids) over the blocks flash
+        would visit (those the causal/window band touches); None when it cannot be known now."""
+        layout = self.layout or self.segment_layout(heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                                    causal=causal, sliding_window=sliding_window, block=block)
+        if layout is None:
+            return None
+        band = _band_map(seqlen_q, seqlen_k, causal, sliding_window, layout.block_q, layout.block_k)
+        visited = band.sum() * layout.block_map.shape[0] * layout.block_map.shape[1]
+        return float((layout.block_map & band).sum()) / max(float(visited), 1.0)
+
+    def __repr__(self):
+        parts = [f"{k}={getattr(v, 'shape', v)!r}" if k != "layout" else f"layout={v.shape}"
+                 for k, v in self.fields().items()]
+        return f"MaskInfo({', '.join(parts)})"
+
+
+def _band_map(seqlen_q: int, seqlen_k: int, causal: bool, sliding_window, block_q: int, block_k: Optional[int] = None):
+    from .masks import _band
+    left, right = canonical_window(sliding_window, bool(causal))
+    return _band(seqlen_q, seqlen_k, block_q, block_k or block_q, left, right)[None, None]
+
+
+_PYTREE_REGISTERED = False
+
+
+def _register_pytree() -> None:
+    """MaskInfo as a jax pytree (its arrays are leaves, the layout static), so it can be an argument
+    of a jitted function; registered once, when jax is loaded."""
+    global _PYTREE_REGISTERED
+    if _PYTREE_REGISTERED or "jax" not in sys.modules:
+        return
+    import jax
+
+    def flatten(info):
+        return (info.attention_mask, info.q_segment_ids, info.kv_segment_ids), info.layout
+
+    def unflatten(layout, children):
+        info = MaskInfo.__new__(MaskInfo)
+        info.attention_mask, info.q_segment_ids, info.kv_segment_ids = children
+        info.layout, info._layouts = layout, {}
+        return info
+
+    with _LOCK:
+        if not _PYTREE_REGISTERED:
+            jax.tree_util.register_pytree_node(MaskInfo, flatten, unflatten)
+            _PYTREE_REGISTERED = True
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def choose_algorithm(query, key, mask_info: Optional[MaskInfo], *, causal=None, sliding_window=None) -> str:
+    """What algorithm="auto" runs: "blocksparse" when mask_info has a layout, or when its segment ids
+    leave fewer than AUTO_BLOCKSPARSE_DENSITY of the blocks flash would visit active and nothing
+    blocksparse cannot take (a dense attention_mask) is given; "flash" otherwise."""
+    if mask_info is None:
+        return "flash"
+    if mask_info.layout is not None:
+        return "blocksparse"
+    if mask_info.attention_mask is not None:
+        return "flash"
+    density = mask_info.block_density(heads=query.shape[2], seqlen_q=query.shape[1], seqlen_k=key.shape[1],
+                                      causal=bool(causal), sliding_window=sliding_window)
+    return "blocksparse" if density is not None and density < AUTO_BLOCKSPARSE_DENSITY else "flash"
+
+
+@contextlib.contextmanager
+def _executor_scope(impl: Implementation, config, autotune: Optional[bool]):
+    with contextlib.ExitStack() as stack:
+        if config is not None:
+            if impl.config_algorithm == "flash":
+                config = executor.decode_config("flash", config)
+            stack.enter_context(executor.override(config, algorithm=impl.config_algorithm))
+        if autotune is not None:
+            stack.enter_context(executor.autotuning(autotune))
+        yield
+
+
+def attention(query, key, value, *, algorithm: str = "auto", mask_info: Optional[MaskInfo] = None,
+              softmax_scale: Optional[float] = None, causal: Optional[bool] = None, sliding_window=None,
+              logits_soft_cap: Optional[float] = None, softmax_aux=None, bias=None, dropout_prob: float = 0.0,
+              dropout_seed=None, return_lse: bool = False, backend: str = "auto", config=None,
+              autotune: Optional[bool] = None, **algorithm_kwargs):
+    """Attention over BSHD inputs by any registered algorithm: torch in -> torch out, jax in -> jax out.
+
+    Args:
+        query (B, Sq, Hq, D), key (B, Sk, Hkv, D), value (B, Sk, Hkv, Dv): torch tensors or jax arrays.
+        algorithm: "flash", "blocksparse", "ring", "nsa" or "auto": blocksparse when mask_info holds a
+            layout, or when its segment ids leave fewer than AUTO_BLOCKSPARSE_DENSITY = 0.5 of the
+            key blocks flash would visit (the causal / window band, 64x64 tiles) active; flash
+            otherwise (always under jax.jit / torch.compile without a layout: the ids' values are
+            unknown when the choice is made).
+        mask_info: a MaskInfo (attention_mask, segment ids, SparseMask layout); each algorithm takes
+            the fields it understands and rejects the others.  blocksparse without a layout builds
+            one from the segment ids and the causal / window band.
+        softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, bias, dropout_prob,
+            dropout_seed, return_lse: as flash_attention (SPEC.md); an option the algorithm does
+            not take raises ValueError.  causal=None: the algorithm's default (False; nsa: causal).
+        backend: jax "triton" | "xla" | "pallas" | "auto"; torch "triton" | "auto".
+        config: pin the launch config (a FlashConfig or its JSON form from the cache file).
+        autotune: True: on a cache miss, time the candidate configs on the GPU and store the best in
+            the cache file both frameworks read; False: never; None: DUALATTN_AUTOTUNE decides.
+        **algorithm_kwargs: passed to the algorithm's function as they are (ring: axis_name / group,
+            layout="zigzag"; nsa: g_cmp, g_slc, g_swa, block_size, block_counts, window_size, ...).
+
+    Returns:
+        What the algorithm's function returns: out (B, Sq, Hq, Dv), or (out, lse) with return_lse.
+
+    Raises:
+        NoImplementationError: nothing registered for (algorithm, framework, backend); the message
+            lists what is.
+        ValueError / TypeError: an argument the algorithm does not take, or a bad argument.
+    """
+    from .interop import framework_of_arguments
+    arrays = dict(key=key, value=value, softmax_aux=softmax_aux, bias=bias,
+                  **(mask_info.fields() if mask_info is not None else {}))
+    arrays.pop("layout", None)
+    platform = framework_of_arguments("dualattn.attention", query, arrays)
+    if mask_info is not None and not isinstance(mask_info, MaskInfo):
+        raise TypeError(f"mask_info must be a dualattn.MaskInfo, got {type(mask_info).__name__}")
+    if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "auto":
+        algorithm = choose_algorithm(query, key, mask_info, causal=causal, sliding_window=sliding_window)
+    impl = get_implementation(algorithm, platform, backend)
+    kwargs = _arguments(impl, query, key, mask_info, dict(
+        softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        softmax_aux=softmax_aux, bias=bias, dropout_prob=dropout_prob, dropout_seed=dropout_seed,
+        return_lse=return_lse))
+    if platform == "jax":
+        kwargs["backend"] = impl.backend
+    clash = sorted(set(kwargs) & set(algorithm_kwargs))
+    if clash:
+        raise TypeError(f"dualattn.attention: {clash} given twice (as algorithm keyword arguments too)")
+    fn = impl.load()
+    with _executor_scope(impl, config, autotune):
+        return fn(query, key, value, **kwargs, **algorithm_kwargs)
+
+
+_DEFAULTS = dict(softmax_scale=None, causal=None, sliding_window=None, logits_soft_cap=None, softmax_aux=None,
+                 bias=None, dropout_prob=0.0, dropout_seed=None, return_lse=False)
+
+
+def _arguments(impl: Implementation, query, key, mask_info: Optional[MaskInfo], options: dict) -> dict:
+    """The common keyword arguments of impl's function: the options that differ from their defaults
+    and the mask fields, each checked against what the algorithm takes."""
+    given = {}
+    for name, value in options.items():   # (identity tests: values may be arrays)
+        if value is None or value is _DEFAULTS[name] or name == "dropout_prob" and value == 0.0:
+            continue
+        given[name] = bool(value) if name == "causal" else value
+    if impl.causal_only:
+        if given.pop("causal", True) is not True:
+            raise ValueError(f"algorithm {impl.algorithm!r} is causal by definition; causal=False is not supported")
+    fields = mask_info.fields() if mask_info is not None else {}
+    if impl.algorithm == "blocksparse" and "layout" not in fields:
+        layout = mask_info.segment_layout(heads=query.shape[2], seqlen_q=query.shape[1], seqlen_k=key.shape[1],
+                                          causal=bool(options["causal"]),
+                                          sliding_window=options["sliding_window"]) if mask_info else None
+        if layout is None:   # no ids to build one from: the causal / window band
+            band = _band_map(query.shape[1], key.shape[1], bool(options["causal"]), options["sliding_window"],
+                             AUTO_BLOCK)
+            layout = SparseMask.from_block_map(band, AUTO_BLOCK, AUTO_BLOCK)   # (read at call time: tests shrink it)
+        fields["layout"] = layout
+    given.update(fields)
+    unsupported = sorted(k for k in given if k not in impl.accepts)
+    if unsupported:
+        where = ["mask_info." + k if k in fields else k for k in unsupported]
+        raise ValueError(f"algorithm {impl.algorithm!r} does not take {', '.join(where)}; it takes "
+                         f"{sorted(impl.accepts)} (and mask_info fields among them)")
+    return given
+
+
+class Attention:
+    """`attention` with fixed settings, callable on torch tensors and jax arrays alike.
+
+        layer = dualattn.Attention(algorithm="auto", causal=True, autotune=True)
+        out = layer(q, k, v, mask_info=info)      # per-call keywords override the fixed ones
+
+    Holds no parameters (the projections belong to the model: torch_api.MultiheadAttention,
+    jax_api.nnx.MultiHeadAttention); safe to share between layers, threads and frameworks.
+    """
+
+    def __init__(self, algorithm: str = "auto", *, autotune: Optional[bool] = None, config=None,
+                 backend: str = "auto", **defaults):
+        if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm, self.autotune, self.config, self.backend = algorithm, autotune, config, backend
+        self.defaults = dict(defaults)
+
+    def __call__(self, query, key, value, mask_info: Optional[MaskInfo] = None, **kwargs):
+        call = dict(algorithm=self.algorithm, backend=self.backend, config=self.config, autotune=self.autotune,
+                    **self.defaults)
+        call.update(kwargs)
+        return attention(query, key, value, mask_info=mask_info, **call)
+
+    def __repr__(self):
+        extra = "".join(f", {k}={v!r}" for k, v in self.defaults.items())
+        return f"Attention(algorithm={self.algorithm!r}, autotune={self.autotune!r}, backend={self.backend!r}{extra})"

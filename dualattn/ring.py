@@ -1,0 +1,254 @@
+"""Ring attention, framework-free: layouts, the per-step schedule, the log-sum-exp merge.
+
+The sequence is sharded over W ranks; rank r keeps its query shard and sees every key/value shard
+once as they travel around the ring (step t: the shard of rank (r - t) mod W).  Each shard is a few
+contiguous runs of global positions (`shard_runs`), so every (query run, key run) pair is plain
+attention with a constant position offset, which the flash kernels take as `diag_shift`: no position
+arrays, and the kernels keep their band skipping and unmasked fast paths.  A step becomes a few
+`RingBlock`s (`ring_schedule`): pairs fully masked for the options (causal, window) are not launched
+at all, pairs fully visible run without masks, and runs whose masks coincide share one launch.
+
+Layouts (`ring_permutation`), W = 2 ranks, S = 8:
+
+    contiguous   rank 0: 0 1 2 3    rank 1: 4 5 6 7
+    zigzag       rank 0: 0 1 6 7    rank 1: 2 3 4 5      (chunks r and 2W-1-r: equal causal work)
+
+Merge rule (fp32, never rounded between steps): partial results (o_a, lse_a), (o_b, lse_b) over
+disjoint key sets combine as
+
+    lse = logaddexp(lse_a, lse_b),   o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+
+(-inf rows stay 0 and -inf).  Sinks join once, after the last step: lse_final = logaddexp(lse,
+logsumexp(sinks)), o_final = o * exp(lse - lse_final).  Their gradient is computed once from the
+merged rows, d sink_n = sum over rows of exp(sink_n - lse_final) * (dlse - rowsum(dout * out)),
+while each step's backward launch takes the merged lse (which includes the sinks) and no sinks.
+
+The array helpers take the array namespace `xp` (torch or jax.numpy), so both front ends run the
+very same arithmetic.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import numpy as np
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str, seq_len: int, world_size: int) -> None:
+    """ValueError unless `layout` is known and seq_len splits evenly for it over world_size ranks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    parts = 2 * world_size if layout == "zigzag" else world_size
+    if seq_len < 0 or seq_len % parts:
+        raise ValueError(f"layout={layout!r}: the sequence length {seq_len} must be a multiple of "
+                         f"{'2 * world_size' if layout == 'zigzag' else 'world_size'} = {parts}")
+
+
+def ring_permutation(seq_len: int, world_size: int, layout: str = "zigzag") -> np.ndarray:
+    """Global positions in rank-major order: rank r holds perm[r*L:(r+1)*L], L = seq_len / world_size.
+
+    "contiguous": arange(seq_len).  "zigzag": the sequence cut into 2W equal chunks, rank r holds
+    chunks r and 2W-1-r, in that order, so every rank does the same causal work.  Shard a global
+    array with x[:, perm] (then split the sequence dim into W equal parts); gather back with
+    out_global[:, perm] = out_sharded.
+    """
+    check_layout(layout, seq_len, world_size)
+    if layout == "contiguous":
+        return np.arange(seq_len, dtype=np.int64)
+    chunk = seq_len // (2 * world_size)
+    order = [c for r in range(world_size) for c in (r, 2 * world_size - 1 - r)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk, dtype=np.int64) for c in order])
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A contiguous piece of a shard: local rows [local, local + length) hold global positions
+    [position, position + length)."""
+
+    local: int
+    position: int
+    length: int
+
+
+def shard_runs(seq_len: int, world_size: int, layout: str, rank: int) -> Tuple[Run, ...]:
+    """The contiguous runs of rank's shard, in local order."""
+    check_layout(layout, seq_len, world_size)
+    shard = seq_len // world_size
+    if layout == "contiguous":
+        return (Run(0, rank * shard, shard),)
+    chunk = shard // 2
+    return (Run(0, rank * chunk, chunk), Run(chunk, (2 * world_size - 1 - rank) * chunk, chunk))
+
+
+SKIP, FULL, PARTIAL = "skip", "full", "partial"
+
+
+def _visibility(offset: int, len_q: int, len_k: int, left: Optional[int], right: Optional[int]) -> str:
+    """Which pairs of a query run (rows a) and key run (columns b) with kpos - qpos = offset + b - a
+    the window -left <= kpos - qpos <= right lets attend: none (SKIP), all (FULL) or some (PARTIAL)."""
+    if len_q == 0 or len_k == 0:
+        return SKIP
+    lo, hi = offset - (len_q - 1), offset + (len_k - 1)
+    if (left is not None and hi < -left) or (right is not None and lo > right):
+        return SKIP
+    if (left is None or lo >= -left) and (right is None or hi <= right):
+        return FULL
+    return PARTIAL
+
+
+@dataclasses.dataclass(frozen=True)
+class RingBlock:
+    """One flash launch of a step: local query rows [q_start, q_stop) against local rows
+    [kv_start, kv_stop) of the visiting key/value shard.
+
+    masked=False: every pair attends (launched with no window and no causal mask).  masked=True:
+    launched with the call's window and `diag_shift`, under which the kernel's positions
+    (row i at i + diag, column j at j, diag = Sk - Sq + diag_shift) give exactly the global mask.
+    """
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+    masked: bool
+    diag_shift: int = 0
+
+    @property
+    def diag(self) -> int:
+        """Row i's kernel position offset: i + diag is compared with column j."""
+        return (self.kv_stop - self.kv_start) - (self.q_stop - self.q_start) + self.diag_shift
+
+
+def _block(q_runs, kv_runs, left, right) -> Optional[RingBlock]:
+    """One launch covering the given adjacent runs, or None if no single launch computes exactly
+    their attention (it would attend a pair the global mask forbids, or miss one)."""
+    q_start, q_stop = q_runs[0].local, q_runs[-1].local + q_runs[-1].length
+    kv_start, kv_stop = kv_runs[0].local, kv_runs[-1].local + kv_runs[-1].length
+    pairs = [(qr, kr, _visibility(kr.position - qr.position, qr.length, kr.length, left, right))
+             for qr in q_runs for kr in kv_runs]
+    if all(v == SKIP for _, _, v in pairs):
+        return None
+    if all(v == FULL for _, _, v in pairs):
+        return RingBlock(q_start, q_stop, kv_start, kv_stop, False)
+    # The kernel sees kpos - qpos = (kv local - kv_start) - (q local - q_start) - diag: choose diag so a
+    # partial pair is exact, then every other pair must fall on the same side of the window.
+    qr, kr, _ = next(p for p in pairs if p[2] == PARTIAL) if any(p[2] == PARTIAL for p in pairs) else pairs[0]
+    diag = (kr.local - kv_start) - (qr.local - q_start) - (kr.position - qr.position)
+
+    def kernel_view(qr, kr):
+        return _visibility((kr.local - kv_start) - (qr.local - q_start) - diag, qr.length, kr.length, left, right)
+
+    if any(kernel_view(qr, kr) != v for qr, kr, v in pairs):
+        return None
+    shift = diag - ((kv_stop - kv_start) - (q_stop - q_start))
+    return RingBlock(q_start, q_stop, kv_start, kv_stop, True, shift)
+
+
+def _pairwise(q_runs, kv_runs, left, right) -> Tuple[RingBlock, ...]:
+    return tuple(b for qr in q_runs for kr in kv_runs if (b := _block((qr,), (kr,), left, right)) is not None)
+
+
+def step_blocks(q_runs: Tuple[Run, ...], kv_runs: Tuple[Run, ...], window_left: Optional[int],
+                window_right: Optional[int]) -> Tuple[RingBlock, ...]:
+    """The fewest launches that compute one (query shard, key shard) step exactly: the whole pair in
+    one launch if its mask allows, else one per key run or per query run, else one per run pair.
+    Fully masked pairs are left out (an empty tuple: the step is skipped)."""
+    left, right = window_left, window_right
+    whole = _block(q_runs, kv_runs, left, right)
+    if whole is not None:
+        return (whole,)
+    if all(_visibility(k.position - q.position, q.length, k.length, left, right) == SKIP
+           for q in q_runs for k in kv_runs):
+        return ()
+    candidates = []
+    for groups in ([(q_runs, (k,)) for k in kv_runs], [((q,), kv_runs) for q in q_runs]):
+        blocks = []
+        for qs, ks in groups:
+            b = _block(qs, ks, left, right)
+            blocks.extend((b,) if b is not None else _pairwise(qs, ks, left, right))
+        candidates.append(tuple(blocks))
+    candidates.append(_pairwise(q_runs, kv_runs, left, right))
+    return min(candidates, key=len)
+
+
+def ring_schedule(seq_len: int, world_size: int, layout: str, rank: int, window_left: Optional[int] = None,
+                  window_right: Optional[int] = None) -> Tuple[Tuple[RingBlock, ...], ...]:
+    """Per step t (the key/value shard of rank (rank - t) mod W visiting), the blocks to launch.
+    window_left / window_right as FlashOptions (causal: right = 0)."""
+    q_runs = shard_runs(seq_len, world_size, layout, rank)
+    return tuple(step_blocks(q_runs, shard_runs(seq_len, world_size, layout, (rank - t) % world_size),
+                             window_left, window_right) for t in range(world_size))
+
+
+def active_steps(schedules) -> int:
+    """How many ring steps any rank computes: steps past the last one with work on some rank are
+    never run (a narrow window), and their key/value shards never travel."""
+    last = 0
+    for schedule in schedules:
+        for t, blocks in enumerate(schedule):
+            if blocks:
+                last = max(last, t + 1)
+    return max(last, 1)
+
+
+# ----------------------------------------------------------------------------- the merge, on arrays
+
+
+def _safe(xp, lse):
+    """lse with -inf replaced by 0, so that exp(x - lse) of -inf rows is 0, never NaN."""
+    return xp.where(lse == -float("inf"), xp.zeros_like(lse), lse)
+
+
+def _row_weights(xp, w):
+    """(B, H, S) -> (B, S, H, 1), to scale outputs laid out BSHD."""
+    return xp.swapaxes(w, 1, 2)[..., None]
+
+
+def merge_partial(xp, out, lse, out_part, lse_part):
+    """Merge a partial (out_part, lse_part) into the running (out, lse), all fp32: out (B, S, H, Dv),
+    lse (B, H, S).  Rows where both are empty (-inf) stay 0 / -inf."""
+    new = xp.logaddexp(lse, lse_part)
+    ref = _safe(xp, new)
+    out = out * _row_weights(xp, xp.exp(lse - ref)) + out_part * _row_weights(xp, xp.exp(lse_part - ref))
+    return out, new
+
+
+def sinks_lse(xp, softmax_aux, heads_q: int):
+    """logsumexp of the sinks each query head sees, (Hq,): softmax_aux fp32 (Hq, n), (Hq,) or shared (n,)."""
+    s = softmax_aux
+    if len(s.shape) == 1:
+        s = s[:, None] if s.shape[0] == heads_q else s[None, :]
+    m = getattr(s, "amax", s.max)(-1)   # torch's max(dim) is a (values, indices) pair
+    ref = xp.where((m == float("inf")) | (m == -float("inf")), xp.zeros_like(m), m)
+    lse = xp.log(xp.exp(s - ref[:, None]).sum(-1)) + ref
+    lse = xp.where(m == float("inf"), m, lse)   # a +inf sink takes the whole softmax
+    return lse + xp.zeros((heads_q,), dtype=lse.dtype)   # shared sinks: the same for every head
+
+
+def add_sinks(xp, out, lse, sink_lse):
+    """The sinks joined once into the merged (out, lse): sink_lse (Hq,) from sinks_lse."""
+    final = xp.logaddexp(lse, sink_lse[None, :, None])
+    ref = _safe(xp, final)
+    w = xp.where(final == float("inf"), xp.zeros_like(final), xp.exp(lse - ref))
+    return out * _row_weights(xp, w), final
+
+
+def sinks_grad(xp, softmax_aux, heads_q: int, lse, delta):
+    """d softmax_aux from the merged rows: lse (B, Hq, S) with the sinks, delta = rowsum(dout * out) - dlse
+    (B, Hq, S), both fp32.  Returns fp32 in softmax_aux's shape."""
+    s = softmax_aux
+    per_head = len(s.shape) == 2 or s.shape[0] == heads_q
+    s2 = s if len(s.shape) == 2 else (s[:, None] if per_head else s[None, :])
+    sink = s2[None, :, None, :]                      # (1, Hq|1, 1, n)
+    row = lse[..., None]                             # (B, Hq, S, 1)
+    diff = xp.where(sink == -float("inf"), xp.full_like(sink - row, -float("inf")),
+                    xp.where(sink == row, xp.zeros_like(sink - row), sink - row))
+    grad = -(xp.exp(diff) * delta[..., None])        # (B, Hq, S, n)
+    grad = grad.sum(0).sum(1)                        # (Hq, n)
+    if not per_head:
+        grad = grad.sum(0)
+    return grad.reshape(s.shape)

@@ -1,0 +1,221 @@
+"""Native sparse attention (NSA) for torch: the selected branch on the shared Triton kernels
+(kernels/nsa), the compressed branch on the block-sparse flash kernels, the sliding branch on
+flash_attention.
+
+    token t, KV group h:   compressed  pooled blocks c with (c+1)*bs - 1 <= t
+                           selected    keys j <= t in the blocks block_indices[t, h, :count]
+                           sliding     keys t - window_size <= j <= t
+    out = g_cmp * compressed + g_slc * selected + g_swa * sliding
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import nsa as checks
+from ..kernels.nsa import plan as nsa_plan
+from . import _launch
+from .blocksparse import blocksparse_attention
+from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func
+
+Tensor = torch.Tensor
+# Tokens per chunk of the top-k: bounds its (tokens, Hkv, blocks) temporaries.
+SELECT_CHUNK = 1024
+
+
+def _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens):
+    counts = block_counts if isinstance(block_counts, Tensor) else None
+    return dict(query=_cpu_upcast(query.contiguous()), key=_cpu_upcast(key.contiguous()),
+                value=_cpu_upcast(value.contiguous()), block_indices=block_indices.to(torch.int32).contiguous(),
+                block_counts=None if counts is None else counts.to(torch.int32).contiguous(),
+                cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
+
+
+class _SelectedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, shapes, scale, count):
+        arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
+        res = _launch.run(nsa_plan.plan_forward(shapes, scale, count), arrays)
+        ctx.save_for_backward(*(arrays[n] for n in ("query", "key", "value")), res["out"], res["lse"],
+                              arrays["block_indices"], arrays["block_counts"], arrays["cu_seqlens"])
+        ctx.shapes, ctx.scale, ctx.count, ctx.dtype = shapes, scale, count, query.dtype
+        return res["out"].to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, idx, counts, cu = ctx.saved_tensors
+        arrays = dict(query=q, key=k, value=v, out=out, dout=_cpu_upcast(dout.contiguous()).to(out.dtype), lse=lse,
+                      block_indices=idx, block_counts=counts, cu_seqlens=cu)
+        grads = _launch.run(nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count), arrays)
+        dtype = ctx.dtype
+        return (grads["dq"].to(dtype), grads["dk"].to(dtype), grads["dv"].to(dtype), None, None, None, None, None,
+                None)
+
+
+def _check_tensors(**tensors):
+    ref = tensors["query"]
+    for name, t in tensors.items():
+        if t is None or name == "block_counts" and not isinstance(t, Tensor):   # an int: checks.check_selection
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {ref.device}: all tensors must share one device")
+
+
+def _cu_values(cu_seqlens: Optional[Tensor]):
+    return None if cu_seqlens is None else cu_seqlens.tolist()
+
+
+def apply_native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor,
+                                  block_counts=16, block_size: int = 64, softmax_scale: Optional[float] = None,
+                                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """NSA's selected branch: each token attends the key blocks its KV group selected (BSHD, GQA).
+
+    Args:
+        query (B, T, Hq, D); key (B, T, Hkv, D); value (B, T, Hkv, Dv): fp16, bf16 or fp32, Hq % Hkv == 0.
+        block_indices: int (B, T, Hkv, S), the key blocks (of block_size tokens) each token attends,
+            shared by the query heads of a KV group.  Entries past the count, negative, or after the
+            token's own block are ignored; a block named twice counts once.
+        block_counts: int, or int (B, T, Hkv): how many of the S entries count.
+        block_size: 16, 32, 64, 128 or 256.
+        softmax_scale: defaults to D ** -0.5.
+        cu_seqlens: int (n_seqs + 1,) for packed sequences (B = 1); indices count from each sequence's start.
+    Token t attends key j iff j <= t and j // block_size is selected:
+
+        keys    [blk 0 ][blk 1 ][blk 2 ][blk 3 ]
+        t=50    [######]........[##.....]            (selected {0, 2}, block 3 ignored, causal in 2)
+
+    Returns (B, T, Hq, Dv) in the query's dtype; a token with nothing selected gets 0.
+    """
+    _check_tensors(query=query, key=key, value=value, block_indices=block_indices, block_counts=block_counts,
+                   cu_seqlens=cu_seqlens)
+    shapes, count = checks.selected_shapes(query, key, value, block_indices, block_counts, block_size,
+                                           cu_seqlens, _cu_values(cu_seqlens))
+    scale = checks.default_scale(shapes.head_dim, softmax_scale)
+    counts = None if count is not None else block_counts
+    return _SelectedAttention.apply(query, key, value, block_indices, counts, cu_seqlens, shapes, scale, count or 0)
+
+
+def _pool(x: Tensor, block_size: int) -> Tensor:
+    n = x.shape[1] // block_size
+    return x[:, :n * block_size].unflatten(1, (n, block_size)).float().mean(2).to(x.dtype)
+
+
+def _compressed(query, key, value, block_size: int, scale: float):
+    """Compressed branch of one sequence: (out (B, T, Hq, Dv), lse (B, Hq, T) or None, pooled keys)."""
+    b, t = query.shape[:2]
+    n = t // block_size
+    if n == 0:   # no complete block: no token sees any
+        return query.new_zeros(*query.shape[:3], value.shape[-1]), None, None
+    k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
+    q_pos = torch.arange(t, device=query.device).expand(b, t)
+    kv_pos = ((torch.arange(n, device=query.device) + 1) * block_size - 1).expand(b, n)
+    out, lse = blocksparse_attention(query, k_cmp, v_cmp, mask_builder=checks.all_blocks, causal=True,
+                                     q_positions=q_pos, kv_positions=kv_pos, softmax_scale=scale, return_lse=True)
+    return out, lse, k_cmp
+
+
+def top_k_lowest_ties(score: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of `score` along its last axis, by decreasing value, ties to
+    the lower index.  torch.topk leaves the order of ties open (and torch.sort of every row costs
+    ~log(n) passes more): take the k-th largest value, every entry above it and the lowest-indexed
+    entries equal to it, then order those k by a stable sort."""
+    n = score.shape[-1]
+    kth = torch.topk(score, k, dim=-1).values[..., -1:]
+    above = score > kth
+    tied = score == kth
+    chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    positions = torch.arange(n, device=score.device).expand_as(score)
+    index = torch.topk(torch.where(chosen, positions, n), k, dim=-1, largest=False).values   # ascending
+    order = torch.sort(score.gather(-1, index), dim=-1, descending=True, stable=True).indices
+    return index.gather(-1, order)
+
+
+@torch.no_grad()
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float) -> Tensor:
+    """Per token and KV group: the own block first, then the blocks of highest compressed probability
+    summed over the group's heads (kernels/nsa/importance.py), ties to the lower index; -1 where fewer
+    blocks exist."""
+    b, t, hq, d = query.shape
+    if k_cmp is None:   # no complete block: only the own blocks have a score
+        k_cmp = query.new_zeros(b, 1, heads_kv, d)
+        lse = torch.full((b, hq, t), float("-inf"), device=query.device)
+    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype).replace("torch.", ""),
+                                      scale)
+    scores = _launch.run(launch, dict(query=_cpu_upcast(query.contiguous()), k_cmp=_cpu_upcast(k_cmp.contiguous()),
+                                      lse=lse.float().contiguous()))["scores"]
+    take = min(count, scores.shape[-1])
+    out = torch.full((b, t, heads_kv, count), -1, dtype=torch.int32, device=query.device)
+    for lo in range(0, t, SELECT_CHUNK):   # bounds top_k_lowest_ties' temporaries
+        chunk = scores[:, lo:lo + SELECT_CHUNK]
+        index = top_k_lowest_ties(chunk, take)
+        out[:, lo:lo + SELECT_CHUNK, :, :take] = torch.where(chunk.gather(-1, index) == float("-inf"), -1,
+                                                             index).to(torch.int32)
+    return out
+
+
+def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Optional[Tensor] = None,
+                            g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None,
+                            block_indices: Optional[Tensor] = None, block_counts=16, block_size: int = 64,
+                            window_size: int = 0, softmax_scale: Optional[float] = None,
+                            cu_seqlens: Optional[Tensor] = None, return_block_indices: bool = False):
+    """Native sparse attention: gated sum of the compressed, selected and sliding-window branches.
+
+    Args:
+        query (B, T, Hq, D), key (B, T, Hkv, D), value (B, T, Hkv, Dv): as apply_native_sparse_attention.
+        g_cmp, g_slc, g_swa: gates (B, T, Hq) of the branches; a branch whose gate is None is left out.
+        block_indices: int (B, T, Hkv, S), or None to select from the compressed scores: per token and
+            KV group the compressed probabilities summed over the group's heads, the token's own block
+            always, then the top block_counts (an int then), ties to the lower index.
+        block_counts, block_size, softmax_scale, cu_seqlens: as apply_native_sparse_attention.
+        window_size: the sliding branch's keys t - window_size <= j <= t (0: no sliding branch).
+        return_block_indices: also return the (B, T, Hkv, S) indices the selected branch used.
+    Compressed branch: attention over the mean of each block's keys / values; token t sees pooled
+    block c iff (c + 1) * block_size - 1 <= t.  Gradients reach query, key, value and every gate
+    (not through the top-k choice).
+    """
+    _check_tensors(query=query, key=key, value=value, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa,
+                   block_indices=block_indices, block_counts=block_counts, cu_seqlens=cu_seqlens)
+    b, t, hq, hkv, d, _, _ = checks.check_qkv(query, key, value, cu_seqlens)
+    checks.check_gates(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), b, t, hq)
+    block_size = checks.check_block_size(block_size)
+    window_size = checks._check_int("window_size", window_size, 0)
+    scale = checks.default_scale(d, softmax_scale)
+    cu_values = _cu_values(cu_seqlens)
+    if cu_values is not None:
+        checks.varlen_bounds(cu_values, t)
+    need_selection = g_slc is not None or return_block_indices
+    if block_indices is None and need_selection:
+        count = checks._check_int("block_counts", block_counts, 1)
+    out = None
+    if g_cmp is not None or (block_indices is None and need_selection):
+        outs, chosen = [], []
+        for lo, hi in checks.sequences(cu_values, t):
+            o_cmp, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale)
+            outs.append(o_cmp)
+            if block_indices is None and need_selection:
+                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
+        if g_cmp is not None:
+            out = g_cmp.to(query.dtype)[..., None] * torch.cat(outs, dim=1)
+        if chosen:
+            block_indices = torch.cat(chosen, dim=1)
+    if g_slc is not None:
+        o_slc = apply_native_sparse_attention(query, key, value, block_indices, block_counts, block_size, scale,
+                                              cu_seqlens)
+        term = g_slc.to(query.dtype)[..., None] * o_slc
+        out = term if out is None else out + term
+    if g_swa is not None and window_size > 0:
+        if cu_seqlens is None:
+            o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
+                                    softmax_scale=scale)
+        else:
+            longest = max(hi - lo for lo, hi in checks.sequences(cu_values, t))
+            o_swa = flash_attn_varlen_func(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
+                                           causal=True, sliding_window=(window_size, 0), softmax_scale=scale)[None]
+        term = g_swa.to(query.dtype)[..., None] * o_swa
+        out = term if out is None else out + term
+    if out is None:   # only a sliding gate, with window_size 0: that branch is left out too
+        out = query.new_zeros(*query.shape[:3], value.shape[-1])
+    return (out, block_indices) if return_block_indices else out

@@ -1,0 +1,136 @@
+"""python -m dualattn.fuzz: a fixed-seed slice passes, and the fuzzer's checks can fail.
+
+The slice is small (the Triton interpreter runs each configuration in about a second); release runs
+are `python -m dualattn.fuzz --count 5000 --workers $(nproc)` (benchmarks/results/*_fuzz.json).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dualattn.fuzz import check, draw, invalid, run
+from dualattn.fuzz.__main__ import main
+from dualattn.fuzz.inputs import make_inputs
+
+CI_SEED, CI_COUNT = 2026, 24
+
+
+def test_fixed_seed_slice_has_no_failures():
+    summary = run.fuzz(CI_COUNT, seed=CI_SEED, device="cpu", log=None)
+    assert summary["failures_count"] == 0, json.dumps(summary["failures"], indent=1)[:4000]
+    kinds = {k for k in summary["counts"] if k in ("dense", "varlen", "blocksparse")}
+    assert kinds == {"dense", "varlen", "blocksparse"} and summary["invalid"] > 0, summary["counts"]
+
+
+def _valid_index(kind: str, seed: int = CI_SEED) -> int:
+    """The first index of `seed` that draws a small valid configuration of `kind`."""
+    for i in range(10_000):
+        c = draw.draw_config(seed, i, "cpu")
+        if c["kind"] == kind and c["B"] * c["Hq"] <= 2 and 0 not in (c["Sq"], c["Sk"]) and not c["jax"]:
+            return i
+    raise AssertionError(f"no {kind} configuration drawn")
+
+
+def test_draws_replay_exactly():
+    for i in range(40):
+        assert draw.draw_config(7, i, "cpu") == draw.draw_config(7, i, "cpu")
+    i = _valid_index("dense", 7)
+    c = draw.draw_config(7, i, "cpu")
+    a, b = make_inputs(draw.rng_for(7, i, 1), c), make_inputs(draw.rng_for(7, i, 1), c)
+    assert torch.equal(a.query, b.query) and torch.equal(a.dout, b.dout)
+
+
+def test_a_wrong_result_is_reported(monkeypatch):
+    """A front end that is off by 1% in the output (or in one gradient) is a failure naming it."""
+    seed, i = CI_SEED, _valid_index("dense")
+    real = check.run_torch
+
+    def off(which):
+        def broken(c, x, device):
+            out, lse, grads = real(c, x, device)
+            if which == "out":
+                return out * 1.01, lse, grads
+            return out, lse, dict(grads, value=grads["value"] * 1.01)
+        return broken
+
+    for which, name in (("out", "torch out"), ("dvalue", "torch dvalue")):
+        monkeypatch.setattr(check, "run_torch", off(which))
+        record = run.run_one(seed, i, "cpu")
+        assert not record["ok"] and name in record["error"], record.get("error")
+        assert record["replay"] == f"{seed}:{i}" and record["config"]["kind"] == "dense"
+
+
+def test_nan_in_a_fully_masked_row_is_reported(monkeypatch):
+    seed, i = CI_SEED, _valid_index("dense")
+    real = check.run_torch
+
+    def nan_row(c, x, device):
+        out, lse, grads = real(c, x, device)
+        out = out.clone()
+        out[0, 0] = float("nan")
+        return out, lse, grads
+
+    monkeypatch.setattr(check, "run_torch", nan_row)
+    record = run.run_one(seed, i, "cpu")
+    assert not record["ok"] and "out" in record["error"]
+
+
+def _invalid_config(name: str, framework: str = "torch") -> dict:
+    return dict(kind="invalid", mutation=name, variant=3, framework=framework)
+
+
+def test_invalid_calls_that_pass_or_launch_are_reported(monkeypatch):
+    """A mutation that leaves the call valid is caught (no error), and so is an error raised only
+    after a kernel was launched (the spies), and an error that does not name the argument."""
+    def harmless(rng, fw, device):
+        c = invalid._Call(rng, fw, device)
+        return c, "query"
+
+    monkeypatch.setitem(invalid.MUTATIONS, "harmless", invalid.Mutation(harmless))
+    record = run.run_config(_invalid_config("harmless"), 0, 0, "cpu")
+    assert not record["ok"] and "launched before rejecting" in record["error"], record["error"]
+
+    def unnamed(rng, fw, device):
+        def call():
+            raise ValueError("bad input")
+        return call, "softmax_scale"
+
+    monkeypatch.setitem(invalid.MUTATIONS, "unnamed", invalid.Mutation(unnamed))
+    record = run.run_config(_invalid_config("unnamed"), 0, 0, "cpu")
+    assert not record["ok"] and "does not name 'softmax_scale'" in record["error"]
+
+    def silent(rng, fw, device):
+        return (lambda: None), "causal"
+
+    monkeypatch.setitem(invalid.MUTATIONS, "silent", invalid.Mutation(silent))
+    record = run.run_config(_invalid_config("silent"), 0, 0, "cpu")
+    assert not record["ok"] and "no error raised" in record["error"]
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_every_mutation_is_rejected_before_launch(framework):
+    """Each registered mutation, a few variants each: ValueError/TypeError naming the argument."""
+    for name, m in sorted(invalid.MUTATIONS.items()):
+        if framework not in m.frameworks:
+            continue
+        for variant in range(3):
+            c = dict(kind="invalid", mutation=name, variant=variant, framework=framework)
+            record = run.run_config(c, 0, 0, "cpu")
+            assert record["ok"], (name, variant, record.get("error"))
+
+
+def test_replay_command_prints_the_configuration(capsys):
+    i = next(i for i in range(100) if draw.draw_config(CI_SEED, i, "cpu")["kind"] == "invalid")
+    assert main(["--replay", f"{CI_SEED}:{i}"]) == 0
+    printed = capsys.readouterr().out
+    assert '"kind": "invalid"' in printed and printed.rstrip().splitlines()[-1].startswith("ok")
+
+
+def test_features_count_options():
+    c = draw.draw_config(CI_SEED, _valid_index("varlen"), "cpu")
+    f = run.features(c)
+    assert "varlen" in f and c["dtype"] in f
+    assert np.all([isinstance(x, str) for x in f])

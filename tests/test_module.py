@@ -1,0 +1,141 @@
+"""dualattn.attention / Attention / MaskInfo and the implementation registry (CPU, tiny shapes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dualattn
+from dualattn import executor as ex
+from dualattn import module as mod
+from dualattn.kernels.flash import plan
+
+torch = pytest.importorskip("torch")
+
+
+def _qkv(gen, b=2, s=32, hq=4, hkv=2, d=16, grad=False):
+    q = torch.randn(b, s, hq, d, generator=gen, requires_grad=grad)
+    k = torch.randn(b, s, hkv, d, generator=gen, requires_grad=grad)
+    v = torch.randn(b, s, hkv, d, generator=gen, requires_grad=grad)
+    return q, k, v
+
+
+def test_torch_in_torch_out_matches_flash_forward_and_backward(torch_gen):
+    import dualattn.torch_api as dt
+    q, k, v = _qkv(torch_gen, grad=True)
+    out = dualattn.attention(q, k, v, causal=True, logits_soft_cap=5.0)
+    ref = dt.flash_attention(q, k, v, causal=True, logits_soft_cap=5.0)
+    assert isinstance(out, torch.Tensor) and torch.equal(out, ref)
+    g = torch.randn_like(out, generator=None)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_jax_in_jax_out_and_mask_info_through_jit(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import dualattn.jax_api as dj
+    q = jnp.asarray(rng.standard_normal((2, 32, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 32, 2, 16)), jnp.float32)
+    info = dualattn.MaskInfo.from_lengths(jnp.array([32, 20]), seqlen_q=32)
+    f = jax.jit(lambda q, k, info: dualattn.attention(q, k, k, causal=True, mask_info=info))
+    out = f(q, k, info)
+    assert isinstance(out, jax.Array)
+    ref = dj.flash_attention(q, k, k, causal=True, q_segment_ids=info.q_segment_ids,
+                             kv_segment_ids=info.kv_segment_ids)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+    assert float(jnp.abs(out[1, 20:]).max()) == 0.0   # padded query rows give zeros
+
+
+def test_mixed_frameworks_and_unknown_algorithm_are_rejected(torch_gen):
+    jnp = pytest.importorskip("jax.numpy")
+    q, k, v = _qkv(torch_gen)
+    with pytest.raises(TypeError, match="key"):
+        dualattn.attention(q, jnp.asarray(k.numpy()), v)
+    with pytest.raises(ValueError, match="algorithm"):
+        dualattn.attention(q, k, v, algorithm="nope")
+
+
+def test_missing_implementation_lists_the_registry(torch_gen, monkeypatch):
+    q, k, v = _qkv(torch_gen)
+    with pytest.raises(mod.NoImplementationError, match="registered: .*flash/torch/triton"):
+        dualattn.attention(q, k, v, algorithm="flash", backend="pallas")
+    # An entry whose module is absent from the install says so (ring / nsa before they land).
+    monkeypatch.setitem(mod._IMPLEMENTATIONS, ("ring", "torch", "triton"), mod.Implementation(
+        "ring", "torch", "triton", "dualattn.torch_api.no_such_module:ring_attention", mod._RING_ARGS))
+    with pytest.raises(mod.NoImplementationError, match="no_such_module is not part of this install"):
+        dualattn.attention(q, k, v, algorithm="ring")
+
+
+def test_options_an_algorithm_does_not_take_are_rejected(torch_gen):
+    q, k, v = _qkv(torch_gen)
+    with pytest.raises(ValueError, match="'blocksparse' does not take bias"):
+        dualattn.attention(q, k, v, algorithm="blocksparse", bias=torch.zeros(1, 1, 32, 32))
+    info = dualattn.MaskInfo(layout=dualattn.SparseMask.from_block_map(np.ones((1, 1, 1, 1), bool), 32, 32))
+    with pytest.raises(ValueError, match="mask_info.layout"):
+        dualattn.attention(q, k, v, algorithm="flash", mask_info=info)
+    with pytest.raises(ValueError, match="causal by definition"):
+        mod._arguments(mod.get_implementation("nsa", "torch"), q, k, None, {**mod._DEFAULTS, "causal": False})
+
+
+def test_padding_mask_info_equals_a_dense_mask(torch_gen):
+    import dualattn.torch_api as dt
+    q, k, v = _qkv(torch_gen)
+    padding = torch.ones(2, 32, dtype=torch.bool)
+    padding[1, 20:] = False
+    info = dualattn.MaskInfo.from_padding(padding)
+    out = dualattn.attention(q, k, v, causal=True, mask_info=info)
+    dense = (padding[:, None, :, None] & padding[:, None, None, :])
+    ref = dt.flash_attention(q, k, v, causal=True, attention_mask=dense)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    assert out[1, 20:].abs().max() == 0
+
+
+def test_auto_picks_blocksparse_for_sparse_documents_and_flash_otherwise(torch_gen, monkeypatch):
+    monkeypatch.setattr(mod, "AUTO_BLOCK", 32)   # 32-token tiles keep the interpreted problem small
+    q, k, v = _qkv(torch_gen, b=1, s=128, hq=2, hkv=2)
+    docs = torch.arange(128).div(32, rounding_mode="floor")[None]     # 4 documents of 32 tokens
+    sparse_info = dualattn.MaskInfo(q_segment_ids=docs)
+    dense_info = dualattn.MaskInfo(q_segment_ids=torch.zeros(1, 128, dtype=torch.int64))
+    # 4 of the 10 causal-band blocks are active (0.4 < 0.5); one document keeps them all.
+    assert sparse_info.block_density(heads=2, seqlen_q=128, seqlen_k=128, causal=True) == pytest.approx(0.4)
+    assert mod.choose_algorithm(q, k, sparse_info, causal=True) == "blocksparse"
+    assert mod.choose_algorithm(q, k, dense_info, causal=True) == "flash"
+    assert mod.choose_algorithm(q, k, None) == "flash"
+    ran = []
+    real = mod.get_implementation
+    monkeypatch.setattr(mod, "get_implementation", lambda a, p, b="auto": ran.append(a) or real(a, p, b))
+    out = dualattn.attention(q, k, v, causal=True, mask_info=sparse_info)
+    ref = dualattn.attention(q, k, v, causal=True, mask_info=sparse_info, algorithm="flash")
+    assert ran == ["blocksparse", "flash"]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_config_pins_the_launch_config_and_autotune_scopes(torch_gen, monkeypatch):
+    q, k, v = _qkv(torch_gen)
+    tile = plan.TileConfig(16, 16, 4, 1)
+    pinned = plan.FlashConfig(tile, tile, tile)
+    seen = []
+    real = ex.Executor.select_with_source
+
+    def spy(self, algorithm, **kw):
+        got = real(self, algorithm, **kw)
+        seen.append((got, ex._autotune_enabled(kw.get("autotune"))))
+        return got
+    monkeypatch.setattr(ex.Executor, "select_with_source", spy)
+    monkeypatch.delenv(ex.AUTOTUNE_ENV, raising=False)
+    dualattn.attention(q, k, v, config=ex._encode_flash(pinned), autotune=True)
+    assert seen[-1] == ((pinned, "override"), True)
+    dualattn.Attention("flash", causal=True)(q, k, v)
+    assert seen[-1][0][1] != "override" and seen[-1][1] is False
+    with pytest.raises(ValueError, match="config"):
+        dualattn.attention(q, k, v, config={"fwd": [3, 3, 3, 3]})
+
+
+def test_attention_object_keeps_its_settings(torch_gen):
+    q, k, v = _qkv(torch_gen)
+    layer = dualattn.Attention("flash", causal=True, sliding_window=(8, 0))
+    torch.testing.assert_close(layer(q, k, v), dualattn.attention(q, k, v, causal=True, sliding_window=(8, 0)))
+    torch.testing.assert_close(layer(q, k, v, sliding_window=None), dualattn.attention(q, k, v, causal=True))
+    assert "flash" in repr(layer)

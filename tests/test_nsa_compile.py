@@ -1,0 +1,60 @@
+"""The NSA selected-branch kernels compiled ahead of time for sm_90 and sm_80 (no GPU needed), from the
+very launch plans the front ends run: both loops, small and large groups, D up to 256, every dtype."""
+from __future__ import annotations
+
+import pytest
+
+from dualattn.kernels import compile_check
+from dualattn.kernels.nsa import plan as nsa_plan
+
+MAX_SHARED = {90: 232448, 80: 166912}
+
+# (dtype, D, group, block_size, slots, seqlen, scan, per-token counts, varlen)
+VARIANTS = {
+    "bf16-d128-g16-entries": ("bfloat16", 128, 16, 64, 16, 8192, False, False, False),
+    "bf16-d128-g4-entries": ("bfloat16", 128, 4, 64, 16, 8192, False, True, False),
+    "fp16-d64-g1-scan-varlen": ("float16", 64, 1, 32, 16, 256, True, True, True),
+    "fp32-d256-g8-entries": ("float32", 256, 8, 128, 8, 4096, False, False, False),
+}
+
+
+def _launch(kernel, dtype, d, group, block_size, slots, seqlen, scan, per_token, varlen):
+    shapes = nsa_plan.NsaShapes(batch=1 if varlen else 2, seqlen=seqlen, heads_q=2 * group, heads_kv=2, head_dim=d,
+                                head_dim_v=d, num_slots=slots, block_size=block_size, dtype=dtype,
+                                per_token_counts=per_token, varlen=varlen, sequences=3 if varlen else 0,
+                                total=seqlen if varlen else 0)
+    plan = nsa_plan.plan_forward if kernel == "fwd" else nsa_plan.plan_backward
+    launch = plan(shapes, d ** -0.5, 0 if per_token else slots, scan=scan)
+    dtypes = dict(query=dtype, key=dtype, value=dtype, out=dtype, dout=dtype, lse="float32",
+                  block_indices="int32", block_counts="int32", cu_seqlens="int32")
+    if not per_token:
+        del dtypes["block_counts"]
+    if not varlen:
+        del dtypes["cu_seqlens"]
+    return launch, dtypes
+
+
+FAST = {("bf16-d128-g16-entries", 90), ("fp16-d64-g1-scan-varlen", 80)}
+
+
+@pytest.mark.parametrize("variant, kernel, arch", [
+    pytest.param(v, k, a, id=f"sm{a}-{k}-{v}", marks=() if (v, a) in FAST else pytest.mark.slow)
+    for v in VARIANTS for k in ("fwd", "bwd") for a in (90, 80)])
+def test_compile_nsa(variant, kernel, arch):
+    launch, dtypes = _launch(kernel, *VARIANTS[variant])
+    compiled = compile_check.compile_launch(launch, dtypes, arch=arch)
+    ptx = compiled.asm["ptx"]
+    assert f".entry {launch.kernel}(" in ptx and f".target sm_{arch}" in ptx
+    assert "mma" in ptx, f"{variant}: no tensor-core MMA"
+    assert compiled.metadata.shared <= MAX_SHARED[arch], f"{variant}: {compiled.metadata.shared} bytes of shared memory"
+    if kernel == "bwd":
+        assert "red.global" in ptx or "atom.global" in ptx, "dK / dV are accumulated with global atomics"
+
+
+@pytest.mark.parametrize("arch, dtype, group", [
+    (90, "bfloat16", 16), pytest.param(80, "float16", 2, marks=pytest.mark.slow)])
+def test_compile_nsa_importance(arch, dtype, group):
+    launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, 128, 64, dtype, 128 ** -0.5)
+    compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32"), arch=arch)
+    assert "mma" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= MAX_SHARED[arch]

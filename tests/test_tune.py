@@ -1,0 +1,129 @@
+"""Autotuning that users can trust, on CPU with fake timing sources: the timing rule, the choice, the
+shared cache and `python -m dualattn.tune` (tuning and --show)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dualattn import autotune, executor as ex, tune
+from dualattn.kernels.flash import plan
+
+
+def test_median_ms_warms_up_then_takes_the_median_of_rounds():
+    now = [0.0]
+    calls = []
+
+    def run():
+        calls.append(len(calls))
+        # 1 ms a call, but the 2nd timed round is slow (a stray hiccup the median ignores)
+        now[0] += 0.001 if not (30 <= len(calls) < 40) else 0.05
+        return len(calls)
+
+    syncs = []
+    ms = autotune.median_ms(run, syncs.append, warmup_ms=5, rep_ms=100, rounds=5, clock=lambda: now[0])
+    assert ms == pytest.approx(1.0)
+    assert len(syncs) == 2 + 1 + 5          # compile, estimate, after warm-up, one per round
+    assert len(calls) == 1 + 1 + 5 + 5 * 20   # 20 back-to-back calls per round
+
+
+def test_best_of_skips_failing_candidates_and_prefers_the_first_on_ties():
+    def measure(c):
+        if c == "broken":
+            raise RuntimeError("out of shared memory")
+        return {"a": 2.0, "b": 1.0, "c": 1.0}[c]
+    best, times = autotune.best_of(["a", "broken", "b", "c"], measure, show_progress=False)
+    assert best == "b" and times[1] == float("inf")
+    assert autotune.best_of(["broken"], measure, show_progress=False)[0] is None
+
+
+def _tile(m):
+    return plan.TileConfig(m, 32, 4, 2)
+
+
+def test_tune_flash_combines_the_best_forward_and_backward():
+    cands = [plan.FlashConfig(_tile(16), _tile(16), _tile(16)), plan.FlashConfig(_tile(64), _tile(32), _tile(32)),
+             plan.FlashConfig(_tile(32), _tile(64), _tile(64))]
+    fwd = {16: 3.0, 64: 1.0, 32: 2.0}
+    bwd = {16: 3.0, 32: 2.0, 64: 1.0}
+    best = autotune.tune_flash(cands, lambda c: fwd[c.fwd.block_m], lambda c: bwd[c.bwd_dkdv.block_m],
+                               show_progress=False)
+    assert best == plan.FlashConfig(_tile(64), _tile(64), _tile(64))
+
+
+def _fake_target(log):
+    def autotune_fn(shapes, options):
+        def pick(candidates):
+            log.append(len(candidates))
+            measure = lambda c: c.fwd.block_m * 1.0 + c.bwd_dkdv.block_n   # noqa: E731 - smallest tiles win
+            return autotune.tune_flash(candidates, measure, measure, show_progress=False)
+        return pick
+    return tune.Target("cuda", "triton", "Fake GPU", 90, autotune_fn)
+
+
+def test_cli_tunes_into_the_shared_cache_and_shows_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(ex.AUTOTUNE_ENV, raising=False)
+    shapes = [{"batch": 2, "seqlen_q": 1024, "heads_q": 8, "head_dim": 128, "dtype": "bfloat16", "causal": True},
+              {"batch": 1, "seqlen_q": 2048, "seqlen_k": 4096, "heads_q": 8, "heads_kv": 2, "head_dim": 64,
+               "dtype": "float16", "sliding_window": [128, 0], "num_sinks": 1}]
+    spec = tmp_path / "shapes.json"
+    spec.write_text(json.dumps(shapes))
+    log = []
+    assert tune.main([str(spec), "--cache-dir", str(tmp_path)], target=_fake_target(log)) == 0
+    assert len(log) == 2
+    entries = json.loads((tmp_path / ex.CACHE_FILE).read_text())["entries"]
+    assert len(entries) == 2 and all(e["source"] == "autotune" for e in entries.values())
+    # What torch and jax launches of the first shape now select: the tuned config, from disk.
+    shapes0, options0 = tune.problem(shapes[0])
+    got, source = ex.Executor(str(tmp_path / ex.CACHE_FILE)).select_with_source(
+        "flash", platform="cuda", backend="triton", device_name="Fake GPU", arch=90, shapes=shapes0, options=options0)
+    key = ex.cache_key("flash", platform="cuda", backend="triton", device_name="Fake GPU", shapes=shapes0,
+                       options=options0)
+    assert source == "disk" and ex._encode_flash(got) == entries[key]["config"]
+    # A second run finds them cached; --force tunes again.
+    tune.main([str(spec), "--cache-dir", str(tmp_path)], target=_fake_target(log))
+    assert len(log) == 2
+    tune.main([str(spec), "--cache-dir", str(tmp_path), "--force"], target=_fake_target(log))
+    assert len(log) == 4
+    capsys.readouterr()
+    tune.main(["--show", "--cache-dir", str(tmp_path)])
+    shown = capsys.readouterr().out
+    assert "2 entries" in shown and key in shown and "source=autotune" in shown
+
+
+def test_cli_rejects_bad_shapes_before_tuning(tmp_path):
+    spec = tmp_path / "shapes.json"
+    spec.write_text(json.dumps([{"batch": 2, "seqlen_q": 64, "heads_q": 2, "dtype": "bfloat16", "bogus": 1}]))
+    with pytest.raises(ValueError, match=r"missing keys \['head_dim'\], unknown keys \['bogus'\]"):
+        tune.main([str(spec), "--cache-dir", str(tmp_path)], target=_fake_target([]))
+
+
+def test_jax_autotune_runs_from_inside_a_jit_trace(monkeypatch):
+    """The executor may ask while the caller is being traced: the tuner's timed calls run in their own
+    thread, on concrete arrays (the Triton kernels interpreted on CPU here, a fake timer)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from dualattn.jax_api import _autotune
+    from dualattn.options import FlashOptions
+    from dualattn.validation import FlashShapes
+    shapes = FlashShapes(batch=1, seqlen_q=32, seqlen_k=32, heads_q=1, heads_kv=1, head_dim=16, head_dim_v=16,
+                         dtype="float32")
+    options = FlashOptions.build(head_dim=16, causal=True)
+    small, big = plan.TileConfig(16, 16, 4, 1), plan.TileConfig(32, 16, 4, 1)
+    cands = [plan.FlashConfig(small, small, small), plan.FlashConfig(big, big, big)]
+    timed = []
+
+    def timer(run):
+        out = jax.block_until_ready(run())
+        assert not isinstance(out, jax.core.Tracer)
+        timed.append(ex.current_override("flash"))
+        return 1.0 if timed[-1].fwd == big or timed[-1].bwd_dkdv == big else 2.0
+
+    @jax.jit
+    def traced(x):
+        best = _autotune._tune(shapes, options, cands, timer=timer)
+        timed.append(best)
+        return x
+
+    traced(jnp.zeros(()))
+    assert timed[-1] == plan.FlashConfig(big, big, big) and len(timed) == 5

@@ -1,0 +1,235 @@
+"""Native sparse attention, torch front end, against the float64 dense reference (tests/nsa_reference.py).
+
+Every case checks the output and the gradients of query, key, value (and of the gates for the whole
+NSA).  Indices are random, with padding (-1), duplicates, entries after the token's own block and
+per-token counts; sequence lengths are not multiples of the block size.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualattn.kernels.nsa import plan as nsa_plan  # noqa: E402
+from dualattn.torch_api import apply_native_sparse_attention, native_sparse_attention  # noqa: E402
+from nsa_reference import reference_nsa, reference_selected, reference_topk  # noqa: E402
+from reference import assert_close_rel  # noqa: E402
+
+FP32_TOL = 1e-5
+HALF_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def random_selection(gen, batch, seqlen, heads_kv, slots, block_size):
+    """Indices in [-1, n_blocks + 1): padding, blocks after the own block, and a duplicated slot."""
+    n_blocks = -(-seqlen // block_size)
+    idx = torch.randint(-1, n_blocks + 1, (batch, seqlen, heads_kv, slots), generator=gen, dtype=torch.int32)
+    if slots > 1:
+        idx[..., -1] = idx[..., 0]
+    counts = torch.randint(0, slots + 1, (batch, seqlen, heads_kv), generator=gen, dtype=torch.int32)
+    return idx, counts
+
+
+def qkv(gen, batch, seqlen, hq, hkv, d, dv=None, dtype=torch.float32, device="cpu"):
+    shapes = ((batch, seqlen, hq, d), (batch, seqlen, hkv, d), (batch, seqlen, hkv, dv or d))
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def check_selected(q, k, v, idx, counts, block_size, tol, cu_seqlens=None, scale=None):
+    out = apply_native_sparse_attention(q, k, v, idx, counts, block_size, softmax_scale=scale, cu_seqlens=cu_seqlens)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    ref = reference_selected(*leaves, idx.cpu(), counts if isinstance(counts, int) else counts.cpu(), block_size,
+                             scale, None if cu_seqlens is None else cu_seqlens.cpu())
+    assert_close_rel(out, ref, tol, "out")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close_rel(g, r, tol, name)
+
+
+# (group, seqlen, head_dim, head_dim_v, block_size, scan): every group size once, both loops
+# (selection entries, and the scan over blocks), D not a power of two, Dv != D, a ragged end.
+SELECTED_CASES = [
+    (1, 56, 32, None, 16, False),
+    (2, 72, 24, None, 16, True),
+    (4, 50, 16, 32, 32, False),
+    (8, 48, 32, None, 16, True),
+    (16, 24, 16, None, 16, False),
+]
+
+
+@pytest.mark.parametrize("group, seqlen, d, dv, block_size, scan", SELECTED_CASES)
+def test_selected_branch(torch_gen, monkeypatch, group, seqlen, d, dv, block_size, scan):
+    monkeypatch.setattr(nsa_plan, "scan_blocks", lambda shapes, t: scan)
+    heads_kv = 2 if group == 2 else 1
+    q, k, v = qkv(torch_gen, 1, seqlen, group * heads_kv, heads_kv, d, dv)
+    idx, counts = random_selection(torch_gen, 1, seqlen, heads_kv, 3, block_size)
+    check_selected(q, k, v, idx, counts, block_size, FP32_TOL, scale=0.3)
+
+
+def test_selected_branch_scalar_count_and_batch(torch_gen):
+    q, k, v = qkv(torch_gen, 2, 40, 4, 2, 16)
+    idx, _ = random_selection(torch_gen, 2, 40, 2, 3, 16)
+    check_selected(q, k, v, idx, 2, 16, FP32_TOL)
+
+
+def test_selected_branch_varlen(torch_gen):
+    cu = torch.tensor([0, 37, 40, 80], dtype=torch.int32)
+    q, k, v = qkv(torch_gen, 1, 80, 2, 1, 16)
+    idx, counts = random_selection(torch_gen, 1, 80, 1, 3, 16)
+    check_selected(q, k, v, idx, counts, 16, FP32_TOL, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_selected_branch_half(torch_gen, dtype):
+    q, k, v = qkv(torch_gen, 1, 64, 2, 1, 32, dtype=dtype)
+    idx, counts = random_selection(torch_gen, 1, 64, 1, 2, 16)
+    check_selected(q, k, v, idx, counts, 16, HALF_TOL[dtype])
+    out = apply_native_sparse_attention(q, k, v, idx, counts, 16)
+    assert out.dtype == dtype
+
+
+def test_selected_branch_duplicates_count_once(torch_gen):
+    """Naming a block twice is the same as naming it once (not a doubled weight)."""
+    q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
+    once = torch.tensor([0, 3, -1, -1], dtype=torch.int32).expand(1, 64, 1, 4).contiguous()
+    twice = torch.tensor([0, 3, 0, 3], dtype=torch.int32).expand(1, 64, 1, 4).contiguous()
+    a = apply_native_sparse_attention(q, k, v, once, 4, 16)
+    b = apply_native_sparse_attention(q, k, v, twice, 4, 16)
+    assert torch.equal(a, b)
+    # A token before block 3 sees block 0 only; token 0 sees key 0 only.
+    torch.testing.assert_close(a[0, 0], v[0, 0, 0].expand(2, 16), rtol=1e-6, atol=1e-6)
+
+
+def _gates(gen, batch, seqlen, hq, which="csw"):
+    return [torch.rand(batch, seqlen, hq, generator=gen).requires_grad_() if c in which else None for c in "csw"]
+
+
+def check_nsa(q, k, v, gates, tol, **kw):
+    out, used = native_sparse_attention(q, k, v, *gates, return_block_indices=True, **kw)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    gate_leaves = [None if g is None else g.detach().double().requires_grad_() for g in gates]
+    ref, ref_used = reference_nsa(*leaves, *gate_leaves, **kw)
+    if kw.get("block_indices") is None:
+        assert torch.equal(used.long(), ref_used), "the selected blocks differ from the reference's top-k"
+    assert_close_rel(out, ref, tol, "out")
+    dout = torch.randn_like(out)
+    inputs = [x for x in (q, k, v, *gates) if x is not None]
+    ref_inputs = [x for x in (*leaves, *gate_leaves) if x is not None]
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n, g in zip(("g_cmp", "g_slc", "g_swa"), gates) if g is not None]
+    for name, g, r in zip(names, torch.autograd.grad(out, inputs, dout),
+                          torch.autograd.grad(ref, ref_inputs, dout.double())):
+        assert_close_rel(g, r, tol, name)
+
+
+@pytest.mark.parametrize("group, seqlen, block_size, count, window", [
+    (2, 64, 16, 2, 8), pytest.param(4, 96, 32, 3, 20, marks=pytest.mark.slow)])
+def test_native_sparse_attention(torch_gen, group, seqlen, block_size, count, window):
+    q, k, v = qkv(torch_gen, 1, seqlen, group, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 1, seqlen, group), FP32_TOL, block_counts=count, block_size=block_size,
+              window_size=window)
+
+
+def test_native_sparse_attention_given_indices_and_partial_gates(torch_gen):
+    q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
+    idx, counts = random_selection(torch_gen, 1, 64, 1, 3, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 1, 64, 2, "cs"), FP32_TOL, block_indices=idx, block_counts=counts,
+              block_size=16)
+
+
+def test_native_sparse_attention_varlen(torch_gen):
+    cu = torch.tensor([0, 40, 45, 90], dtype=torch.int32)
+    q, k, v = qkv(torch_gen, 1, 90, 2, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 1, 90, 2), FP32_TOL, block_counts=2, block_size=16, window_size=10,
+              cu_seqlens=cu)
+
+
+def test_top_k_ties_go_to_the_lower_block(torch_gen):
+    """Zero queries give equal compressed probabilities: the own block, then the lowest blocks."""
+    q = torch.zeros(1, 80, 2, 16)
+    k, v = torch.randn(1, 80, 1, 16, generator=torch_gen), torch.randn(1, 80, 1, 16, generator=torch_gen)
+    _, used = native_sparse_attention(q, k, v, g_slc=torch.ones(1, 80, 2), block_counts=3, block_size=16,
+                                      return_block_indices=True)
+    assert used[0, 79, 0].tolist() == [4, 0, 1]
+    assert used[0, 20, 0].tolist() == [1, 0, -1]   # only two blocks at or before token 20's own
+    assert used[0, 5, 0].tolist() == [0, -1, -1]
+
+
+def test_top_k_matches_reference_on_probabilities():
+    probs = torch.tensor([[[[0.1, 0.5, 0.5, 0.2, 0.0]] * 1]], dtype=torch.float64).expand(1, 1, 80, 5).contiguous()
+    chosen = reference_topk(probs, 1, 80, 16, 3)
+    assert chosen[0, 79, 0].tolist() == [4, 1, 2]
+
+
+def _small(gen):
+    return qkv(gen, 1, 32, 2, 1, 16) + [torch.zeros(1, 32, 1, 2, dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(query=torch.zeros(1, 32, 3, 16), key=torch.zeros(1, 32, 2, 16), value=torch.zeros(1, 32, 2, 16)),
+     ValueError, "multiple of key/value heads"),
+    (dict(key=torch.zeros(1, 31, 1, 16)), ValueError, "key must have shape"),
+    (dict(block_indices=torch.zeros(1, 32, 2, 2, dtype=torch.int32)), ValueError, "block_indices must have shape"),
+    (dict(block_indices=torch.zeros(1, 32, 1, 2)), TypeError, "block_indices must be an integer"),
+    (dict(block_counts=torch.zeros(1, 32, 2, dtype=torch.int32)), ValueError, "block_counts must be an int"),
+    (dict(block_counts=-1), ValueError, "block_counts must be >= 0"),
+    (dict(block_counts=2.0), TypeError, "block_counts must be an int"),
+    (dict(block_size=48), ValueError, "block_size must be one of"),
+    (dict(query=torch.zeros(1, 32, 2, 16, dtype=torch.float64)), TypeError, "query must be float16"),
+    (dict(cu_seqlens=torch.tensor([0, 40], dtype=torch.int32)), ValueError, "cu_seqlens"),
+    (dict(query=torch.zeros(1, 32, 2, 300), key=torch.zeros(1, 32, 1, 300)), ValueError, "head_dim"),
+])
+def test_bad_input(torch_gen, change, error, words):
+    q, k, v, idx = _small(torch_gen)
+    args = dict(query=q, key=k, value=v, block_indices=idx, block_counts=2, block_size=16)
+    args.update(change)
+    with pytest.raises(error, match=words):
+        apply_native_sparse_attention(**args)
+
+
+def test_bad_gates(torch_gen):
+    q, k, v, _ = _small(torch_gen)
+    with pytest.raises(ValueError, match="at least one of g_cmp"):
+        native_sparse_attention(q, k, v, block_size=16)
+    with pytest.raises(ValueError, match="g_slc must have shape"):
+        native_sparse_attention(q, k, v, g_slc=torch.ones(1, 32, 1), block_size=16)
+    with pytest.raises(ValueError, match="window_size must be >= 0"):
+        native_sparse_attention(q, k, v, g_swa=torch.ones(1, 32, 2), block_size=16, window_size=-1)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_selected_branch_gpu(torch_gen, group, dtype):
+    seqlen, block_size = 1024, 64
+    q, k, v = qkv(torch_gen, 1, seqlen, 2 * group, 2, 128, dtype=dtype, device="cuda")
+    idx, counts = random_selection(torch_gen, 1, seqlen, 2, 16, block_size)
+    check_selected(q, k, v, idx.cuda(), counts.cuda(), block_size, HALF_TOL[torch.bfloat16] if
+                   dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [4, 16])
+def test_native_sparse_attention_gpu(torch_gen, group):
+    seqlen = 1024
+    q, k, v = [x.detach().cuda().requires_grad_() for x in qkv(torch_gen, 1, seqlen, group, 1, 128)]
+    gates = [g.detach().cuda().requires_grad_() for g in _gates(torch_gen, 1, seqlen, group)]
+    out, used = native_sparse_attention(q, k, v, *gates, block_counts=8, block_size=64, window_size=128,
+                                        return_block_indices=True)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, *gates)]
+    ref, _ = reference_nsa(*leaves[:3], *leaves[3:], block_indices=used.cpu(), block_counts=8, block_size=64,
+                           window_size=128)
+    assert_close_rel(out, ref, 1e-4, "out")   # TF32x3 dots in the fp32 kernels
+
+
+def test_top_k_lowest_ties(torch_gen):
+    """Many ties, +inf and -inf: the k largest by decreasing value, ties to the lower index."""
+    from dualattn.torch_api.nsa import top_k_lowest_ties
+    score = torch.randint(0, 4, (50, 12), generator=torch_gen).float()
+    score[score == 0] = float("-inf")
+    score[:, 5] = float("inf")
+    got = top_k_lowest_ties(score, 6)
+    for row, idx in zip(score.tolist(), got.tolist()):
+        assert idx == sorted(range(12), key=lambda c: (-row[c], c))[:6]
