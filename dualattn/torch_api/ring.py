@@ -47,7 +47,8 @@ def _named(q, k, v, q_seg, kv_seg, options: FlashOptions, block: ring_rules.Ring
     named.update(max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], softmax_scale=options.softmax_scale,
                  window_left=side(options.window_left), window_right=side(options.window_right),
                  logits_soft_cap=options.logits_soft_cap or 0.0, dropout_prob=0.0, dropout_seed=0,
-                 diag_shift=block.diag_shift, sparse_block_q=0, sparse_block_k=0, sparse_contiguous=0)
+                 diag_shift=block.diag_shift, sparse_block_q=0, sparse_block_k=0, sparse_contiguous=0,
+                 deterministic=False)
     return named
 
 
