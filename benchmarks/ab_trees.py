@@ -24,7 +24,7 @@ import triton
 
 import dualattn
 import dualattn.torch_api as dt
-from dualattn.kernels.flash import plan as flash_plan
+from dualattn.kernels.flash import hopper, plan as flash_plan
 
 
 def _time(fn, kernel_time):
@@ -73,11 +73,11 @@ if __name__ == "__main__":
         name, value = patch.split("=")
         if "[" in name:   # TABLE[head_dim]=BMxBNxWARPSxSTAGES: one tile of a plan table (e.g. WS_DQ_TILES)
             table, key = name.rstrip("]").split("[")
-            assert isinstance(getattr(flash_plan, table, None), dict), f"no table {table} in dualattn.kernels.flash.plan"
-            getattr(flash_plan, table)[int(key)] = flash_plan.TileConfig(*(int(x) for x in value.split("x")))
+            assert isinstance(getattr(hopper, table, None), dict), f"no table {table} in dualattn.kernels.flash.hopper"
+            getattr(hopper, table)[int(key)] = flash_plan.TileConfig(*(int(x) for x in value.split("x")))
             continue
-        assert isinstance(getattr(flash_plan, name, None), int), f"no int constant {name} in dualattn.kernels.flash.plan"
-        setattr(flash_plan, name, int(value))
+        assert isinstance(getattr(hopper, name, None), int), f"no int constant {name} in dualattn.kernels.flash.hopper"
+        setattr(hopper, name, int(value))
     positional = [a for a in args if "=" not in a and not a.startswith("--")]
     main(positional[0], positional[1], *(tuple(int(x) for x in arg.split(",")) for arg in positional[2:4]),
          kernel_time="--kernel-time" in args)

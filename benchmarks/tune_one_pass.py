@@ -1,7 +1,7 @@
 """Tile variants of the one-pass backward (dualattn/kernels/flash/backward_gluon.py) through dualattn's
 torch backward, next to the two-pass backward and SDPA cuDNN's backward on the same inputs (H100).
 
-A variant is name=BLOCK_M,BLOCK_N,STAGES,DQ_BUFS,DS_BUFS, one entry of plan.ONE_PASS_TILES for the
+A variant is name=BLOCK_M,BLOCK_N,STAGES,DQ_BUFS,DS_BUFS, one entry of hopper.ONE_PASS_TILES for the
 head dim being timed; the one-pass kernel is planned at every length while this runs.  Each variant's
 gradients are checked against the two-pass kernels' (deterministic, tested against float64) before it
 is timed: a variant that does not compile, or is wrong, prints FAIL instead of a time.  16k tokens,
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dualattn.kernels.flash import plan as flash_plan
+from dualattn.kernels.flash import hopper, plan as flash_plan
 from dualattn.torch_api import flash_attention
 
-_PLAN_TILES = dict(flash_plan.ONE_PASS_TILES)
+_PLAN_TILES = dict(hopper.ONE_PASS_TILES)
 _PLAN_MIN_KEYS, _PLAN_MAX_KEYS = flash_plan.ONE_PASS_MIN_KEYS, flash_plan.ONE_PASS_MAX_KEYS
 
 
@@ -31,9 +31,9 @@ def parse_variant(text):
 
 
 def plan_one_pass(tiles):
-    """Plan the one-pass backward with `tiles` (plan.ONE_PASS_TILES; {}: never, the two-pass kernels run)
+    """Plan the one-pass backward with `tiles` (hopper.ONE_PASS_TILES; {}: never, the two-pass kernels run)
     at every length; plans are memoised, so they are forgotten first."""
-    flash_plan.ONE_PASS_TILES = tiles
+    hopper.ONE_PASS_TILES = tiles
     flash_plan.ONE_PASS_MIN_KEYS, flash_plan.ONE_PASS_MAX_KEYS = 0, 1 << 30
     flash_plan.forget_plans()
 
@@ -120,7 +120,7 @@ def main():
             del out, ref
             torch.cuda.empty_cache()
     finally:
-        flash_plan.ONE_PASS_TILES = _PLAN_TILES
+        hopper.ONE_PASS_TILES = _PLAN_TILES
         flash_plan.ONE_PASS_MIN_KEYS, flash_plan.ONE_PASS_MAX_KEYS = _PLAN_MIN_KEYS, _PLAN_MAX_KEYS
         flash_plan.forget_plans()
 

@@ -199,7 +199,8 @@ def current_override(algorithm: str):
 
 def cache_path() -> str:
     """$DUALATTN_CACHE_DIR/configs.json, else ~/.cache/dualattn/configs.json (the environment is
-    read at each call; the path is built once per value: every launch asks, NOTES step 22)."""
+    read at each call; the path is built once per value: every launch asks, NOTES: "Fewer Python layers per
+    call")."""
     return _cache_path(os.environ.get(CACHE_DIR_ENV), os.environ.get("HOME"))
 
 

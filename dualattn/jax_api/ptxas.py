@@ -4,7 +4,7 @@ torch's Triton assembles a kernel with the ptxas it bundles (CUDA 12.8 with Trit
 hands the same PTX to the first `ptxas` on PATH, else to the CUDA toolkit's (13.0 on our H100
 machine): XLA's subprocess compilation searches PATH before the CUDA roots, and jaxlib's Triton
 custom call takes no cubin. The two builds give different SASS for the same PTX: the D=64 forward
-ran 3-5% slower under JAX, and as fast as torch with Triton's ptxas (benchmarks/NOTES.md steps 22
+ran 3-5% slower under JAX, and as fast as torch with Triton's ptxas (NOTES: "The same PTX, another assembler"
 and 28).
 
 `use_triton_ptxas()` puts a small `ptxas` first on PATH that sends the PTX of dualattn's kernels

@@ -41,7 +41,7 @@ class _Prepared:
     and, per specialisation, the CompiledKernel.  A steady workload sees the same few (memoised)
     plans, so each call only binds tensors and launches: the per-launch Python that used to
     re-read the plan was about half of the torch path's host time at short sequences
-    (benchmarks/NOTES.md step 28)."""
+    (NOTES: "Fewer Python layers per call")."""
 
     __slots__ = ("launch", "kernel", "interpreted", "scalars", "outputs", "constexprs", "tensors", "ints",
                  "variants")

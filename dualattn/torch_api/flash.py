@@ -81,7 +81,8 @@ def _problem(named: dict, resolved: Optional[_Resolved] = None):
     """Launch inputs, sizes, options, block-sparse layout and tiles of one op call (fwd and bwd alike).
 
     `resolved`: what the forward resolved for this call (sizes, options, config, seed tensor), which
-    eager backward passes back instead of validating and selecting again (host time, NOTES step 17).
+    eager backward passes back instead of validating and selecting again (host time, NOTES: "Fewer Python
+    layers per call").
     """
     a = _arrays(named)
     sparse = _sparse(*(named[n] for n in flash_plan.SPARSE_INPUTS), named["sparse_block_q"],
@@ -221,7 +222,7 @@ class _CallPlan:
     aside: it is per call), the block-sparse layout, the forward launch and, by what the backward
     adds to the key, its backward plans.  Built on a signature's first call and reused: resolving
     and planning again took ~2/3 of the forward's host time, and the GPU machine's host issued a
-    forward in ~150 us against a 158 us kernel (D=128 causal S=1024; NOTES step 33)."""
+    forward in ~150 us against a 158 us kernel (D=128 causal S=1024; NOTES: "Fewer Python layers per call")."""
 
     __slots__ = ("resolved", "sparse", "forward", "out_shape", "backwards")
 
@@ -246,11 +247,11 @@ _KEYED_STATICS = tuple(n for n in _STATIC_ARGS if n != "dropout_seed")  # the se
 
 def _call_key(named: dict) -> Optional[tuple]:
     """Everything a call's resolution and plans depend on besides tensor values: each tensor's
-    metadata, the static arguments but the dropout seed, the environment switches the plans read
+    metadata, the static arguments but the dropout seed, the developer switches (dualattn/switches.py)
     and the executor's state (a pinned config, its memory, its cache file, autotuning on or off).
-    None while torch.compile traces (symbolic sizes).  Built on every call: ~16 us on a CPU core,
-    12 of them reading the environment and the executor's state, against ~35 us for resolving and
-    planning again (benchmarks/experiments/host_front_end_cpu.py)."""
+    None while torch.compile traces (symbolic sizes).  Built on every call: ~16 us on a CPU core
+    (most of it reading the executor's state) against ~35 us for resolving and
+    planning again (benchmarks/host_front_end_cpu.py)."""
     if torch.compiler.is_compiling():
         return None
     return (tuple(map(_tensor_key, map(named.get, _TENSOR_ARGS))), tuple(map(named.get, _KEYED_STATICS)),

@@ -165,12 +165,12 @@ def test_jax_triton_traced_seed_vmap_and_varlen(rng):
 
 @pytest.fixture
 def warp_specialize_everything(monkeypatch):
-    """DUALATTN_WS=1 with the speed rules off (plan.WS_MIN_KEY_WORK, split_band_pays): the
+    """DUALATTN_WS=1 with the speed rules off (hopper.WS_MIN_KEY_WORK, split_band_pays): the
     interpreter's small problems take the warp-specialised kernels and split every band."""
-    from dualattn.kernels.flash import plan as flash_plan
+    from dualattn.kernels.flash import hopper, plan as flash_plan
     set_switch(monkeypatch, "DUALATTN_WS", "1")
     for rule in ("WS_MIN_KEY_WORK", "WS_SPLIT_MIN_KEYS", "WS_SPLIT_MIN_HEAD_DIM"):
-        monkeypatch.setattr(flash_plan, rule, 0)
+        monkeypatch.setattr(hopper, rule, 0)
     flash_plan.forget_plans()   # memoised under the other rules
     yield flash_plan
     flash_plan.forget_plans()

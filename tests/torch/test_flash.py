@@ -239,11 +239,11 @@ EDGE_CASES["window_interior_ragged"] = Case(B=1, Sq=300, Sk=330, Hq=2, Hkv=2, op
 def edge_layout_flags(monkeypatch, launch_flags):
     """edge_layout_flags(in_loop) -> the EDGES_IN_LOOP flags of every forward, dK/dV and dQ launch
     planned from then on, with the rule set to put every band's edges in the loop or in their own."""
-    from dualattn.kernels.flash import plan as flash_plan
+    from dualattn.kernels.flash import hopper, plan as flash_plan
 
     def use(in_loop: bool) -> list:
         set_switch(monkeypatch, "DUALATTN_EDGES_IN_LOOP", None)
-        monkeypatch.setattr(flash_plan, "EDGES_IN_LOOP_MAX_KEYS", 1 << 30 if in_loop else 0)
+        monkeypatch.setattr(hopper, "EDGES_IN_LOOP_MAX_KEYS", 1 << 30 if in_loop else 0)
         flash_plan.forget_plans()   # memoised under the other rule
         return launch_flags("EDGES_IN_LOOP")
     yield use

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from dualattn.kernels.flash import hopper, plan as flash_plan  # noqa: E402
 from dualattn.torch_api import flash_attention  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from reference import assert_close_rel, reference_attention  # noqa: E402
@@ -56,8 +56,8 @@ CPU_CASES = {
 def split_every_band(monkeypatch):
     """Split every band the variant can take, whatever plan.split_band_pays says: these tests are
     about the two launches' numbers, on shapes small enough for the interpreter."""
-    monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_KEYS", 0)
-    monkeypatch.setattr(flash_plan, "WS_SPLIT_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(hopper, "WS_SPLIT_MIN_KEYS", 0)
+    monkeypatch.setattr(hopper, "WS_SPLIT_MIN_HEAD_DIM", 0)
     set_switch(monkeypatch, flash_plan.WS_BAND_ENV, "0")   # not the persistent band-in-loop forward instead
     flash_plan.forget_plans()   # memoised under the other rule
     yield
@@ -194,7 +194,7 @@ def backward_plan_flags(monkeypatch):
 def specialise_small_problems(monkeypatch):
     """Let the interpreter's small problems take the warp-specialised kernels (plan.WS_MIN_KEY_WORK
     is a speed rule, not a correctness one)."""
-    monkeypatch.setattr(flash_plan, "WS_MIN_KEY_WORK", 0)
+    monkeypatch.setattr(hopper, "WS_MIN_KEY_WORK", 0)
     flash_plan.forget_plans()   # memoised under the other rule
     yield
     flash_plan.forget_plans()

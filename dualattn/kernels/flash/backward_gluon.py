@@ -4,7 +4,8 @@ The portable backward (backward.py) runs two kernels, dK/dV and dQ, each recompu
 per (query tile, key tile).  This kernel computes all three gradients in one pass, 5 GEMMs per tile,
 as FA3 does: dQ partials are reduced into an fp32 buffer by bulk TMA reduce-adds instead of
 recomputing P in a second kernel.  Triton's automatic warp specialisation cannot build this loop
-(benchmarks/NOTES.md step 27), so the partitions are written out (step 28):
+(NOTES: "Persistent launches"), so the partitions are written out (NOTES: "Two passes in Triton, one pass only
+in Gluon"):
 
   * load warp (1 warp): TMA-loads K and V of its key tile once, then Q_i with lse_i and dO_i with
     delta_i into a STAGES-deep ring (separate ready barriers: S^T = K Q^T starts before dO lands).
@@ -307,7 +308,7 @@ def flash_bwd_one_pass_kernel(
     # ran at 0.6x: nothing shared).  PERSISTENT: (programs,), each takes items w = pid, pid +
     # programs, ... < num_work (causal: pairs of key tiles of equal total work) and builds its
     # descriptors once, over whole arrays (plan: Sq, Sk tile multiples, (batch, seq) rows and heads
-    # side by side), where a program per item spent ~10 us building its seven (NOTES step 29).
+    # side by side), where a program per item spent ~10 us building its seven (NOTES: "Persistent launches").
     # DESC_SCRATCH: where jax-triton launches keep the descriptors (jax_api/_scratch.py); Triton's
     # launcher brings its own scratch.
     dtype: gl.constexpr = Q.dtype.element_ty

@@ -65,7 +65,8 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
             # Plain scores: scale the row max instead (scale > 0), so the exponent below is one
             # FMA per element instead of a multiply and a subtract.  (Position-masked loops keep
             # the multiply: folded there, the block-sparse window forward measured 35% slower,
-            # benchmarks/NOTES.md step 10; EDGES_IN_LOOP's edge tiles and the warp-specialised
+            # NOTES: "The exponent as one FMA, on unmasked tiles only"; EDGES_IN_LOOP's edge tiles and the
+            # warp-specialised
             # band loop fold it, -inf * scale staying -inf.)
             s = qk
             s_scale = sm_scale * LOG2E
@@ -283,7 +284,8 @@ def flash_fwd_kernel(
                 lse = tl.where(saturated, float("inf"), lse)
             O_HEAD = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
             # After a warp-specialised loop only TMA stores write every row (pointer stores left rows
-            # 64-127 of each tile unwritten on the H100 with Triton 3.6: benchmarks/NOTES.md step 18).
+            # 64-127 of each tile unwritten on the H100 with Triton 3.6: NOTES: "What Triton's warp
+            # specialisation accepts").
             if PERSISTENT:
                 O_ALL.store([q_row0 + m0, h * stride_oh], out.to(O.dtype.element_ty))
             elif WARP_SPECIALIZE:

@@ -13,7 +13,7 @@ the partitions are written out, as in FA3:
     pipelined: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued together, and the softmax of
     S_{j+1} runs as soon as S_{j+1} is back, with O += P_j V_j still on the tensor cores.  No
     ping-pong barriers between the warpgroups (FA3 has them): ordering their GEMM issues by
-    mbarrier turns was 1-10% slower (NOTES step 31).
+    mbarrier turns was 1-10% slower (NOTES: "No ping-pong between the warpgroups").
 
 Persistent: one program per SM takes work items w = pid, pid + programs, ... (_fwd_item: one query
 tile, or causal, a long and a short one) through descriptors over the whole arrays, built once
@@ -109,7 +109,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, masked, CAUSAL: gl
     Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
     FMA per element."""
     # The branch stays in the loop even where it is never taken (non-causal, Sk a multiple of BN):
-    # without it ptxas schedules the loop worse, 10-24% slower (NOTES step 30).  EVEN_K (no tile
+    # without it ptxas schedules the loop worse, 10-24% slower (NOTES: "The never-taken branch stays").  EVEN_K
+    # (no tile
     # reaches past the keys) drops the key bound from the causal mask, where it made ptxas spill.
     if masked:
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))

@@ -117,7 +117,7 @@ def own_tile_frame(t0, offs, limit, diag, BLOCK: tl.constexpr, KEYS: tl.constexp
     (query i = t0 + r: j - r - (diag + t0)).  Triton 3.6 splits such a loop's 128-row tile over two
     consumer warpgroups and gives the second both a range from 64 and t0 + 64 (the offset it
     applies to the tile's TMA coordinate t0), so `t0 + tl.arange` masked rows 64-127 as rows
-    128-191 there (H100; benchmarks/NOTES.md step 21)."""
+    128-191 there (H100; NOTES: "Masks in the warp-specialised backward: minimal, in the loop, relative")."""
     if RELATIVE:
         offs = tl.arange(0, BLOCK)
         limit = limit - t0
@@ -186,7 +186,7 @@ def mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_lef
     """Scores s with the position mask applied if `edge` (a runtime flag: the tile lies outside
     band_range's unmasked [full_start, full_end)).  For EDGES_IN_LOOP kernels, whose one loop runs
     the whole band: a branch outside warp-specialised loops costs less than the separate edge
-    loops, each with its own pipeline fill (benchmarks/NOTES.md step 24)."""
+    loops, each with its own pipeline fill (NOTES: "Short bands run their edges inside the one loop")."""
     if edge:
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        0, 0, 0, 0, 0, 0, True, HAS_LEFT, HAS_RIGHT, False, False, TRANSPOSED, False)
@@ -295,7 +295,7 @@ def whole_tiles(BASE, n_rows, n_heads, stride_s, stride_h, N_COLS: tl.constexpr,
     [batch * rows, heads * stride_h] matrix (tile of batch b, head h at row b * rows + start,
     column h * stride_h), for persistent programs to build once: each build is a fenced write to
     global scratch, and per tile it cost the persistent probe 8% at causal S=1024
-    (benchmarks/NOTES.md step 26).  Legal where plan.whole_array_tiles holds: batches end to end
+    (NOTES: "Persistent launches").  Legal where plan.whole_array_tiles holds: batches end to end
     (batch stride = rows * row stride), rows a multiple of BLOCK_ROWS and N_COLS == BLOCK_COLS, so
     no tile reaches into another batch or head.  (Not a rank-4 [batch, rows, heads, cols]
     descriptor: Triton 3.7's warp specialisation splits a tile's rows over two consumer
@@ -443,10 +443,11 @@ def program_tile(num_heads, ORDER, order_stride_b, order_stride_h, BLOCK_SPARSE:
     tiles are the busiest, as causal query tiles are).  The final wave then holds short
     programs instead of the last heads' long ones, while the programs in flight still share
     a few heads' K/V in L2 (tile-major over all heads re-read K/V from DRAM: 40% slower at
-    S=2048, benchmarks/NOTES.md step 11).  Even work keeps head-major order.  Persistent
+    S=2048, NOTES: "Causal grids: busiest tiles first, within groups of four heads").  Even work keeps
+    head-major order.  Persistent
     programs take UNEVEN work head-major in rounds of alternating direction (below; the grouped
     order, whose lengths repeat every group, dealt some programs only the long tiles: -23% at
-    S=4096, and tile-major over all heads lost L2 sharing: NOTES steps 25, 26).
+    S=4096, and tile-major over all heads lost L2 sharing: NOTES: "Persistent launches").
     """
     if PERSISTENT:
         n_tiles = num_tiles

@@ -1,0 +1,138 @@
+"""Tiles of the flash launches: the tuned tables and how a problem's config is chosen.
+
+default_config gives a problem's (fwd, dK/dV, dQ) tiles: the table tuned on the H100 first
+(benchmarks/tune_flash.py), then heuristics by head dim and dtype.  The executor (dualattn/executor.py)
+asks it last, after an override, its caches and autotuning; fit.py may then lower stages or tiles
+where a variant would not fit the device's shared memory.  The Hopper kernels' fixed tiles live
+with the rules that choose those kernels (hopper.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Dict, Optional, Tuple
+
+from ... import switches
+from ...validation import FlashShapes
+from ..launch import next_pow2
+
+@dataclasses.dataclass(frozen=True)
+class SparseInfo:
+    """The shape of a block-sparse layout (dualattn.SparseMask) as the kernels need it.
+
+    Layout arrays are (layout_batch, layout_heads, n_blocks[, n_blocks]); a size-1 batch or
+    head dim broadcasts.  The kernels' tiles are the layout's blocks.
+    """
+
+    layout_batch: int
+    layout_heads: int
+    num_q_blocks: int
+    num_k_blocks: int
+    block_q: int
+    block_k: int
+    kv_rows_contiguous: bool = False  # every query block's key blocks form one run (windows, documents)
+    q_rows_contiguous: bool = False   # every key block's query blocks form one run
+
+    def config(self, requested: Optional["FlashConfig"] = None) -> "FlashConfig":
+        """The layout's blocks as every launch's tiles.  `requested`: a config whose pipeline depths
+        cap these tiles' (fit.py lowers them where a variant would not fit the GPU's shared memory);
+        its block sizes are ignored: a layout's blocks are its tiles."""
+        big = max(self.block_q, self.block_k) >= 128
+        t = TileConfig(self.block_q, self.block_k, 8 if big else 4, 2 if big else 3)
+        if requested is None:
+            return FlashConfig(t, t, t)
+        return FlashConfig(*(dataclasses.replace(t, num_stages=min(t.num_stages, r.num_stages))
+                             for r in (requested.fwd, requested.bwd_dkdv, requested.bwd_dq)))
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tiles of the three launches of one flash problem (what the executor selects)."""
+
+    fwd: TileConfig
+    bwd_dkdv: TileConfig   # fixed key tile block_n, iterated query tiles block_m
+    bwd_dq: TileConfig
+
+
+# Tiles measured best on the H100 by benchmarks/tune_flash.py (see benchmarks/NOTES.md), keyed by
+# "sm<arch>:d<head-dim bucket>:<causal|full>" -> (fwd, dkdv, dq) as (block_m, block_n, warps, stages).
+TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
+    # H100, 2026-11-22, 16k tokens at S=8192, H=16 (D=128) / 32 (D=64), bf16, after the loads
+    # became software-pipelined (benchmarks/results/2026-11-22_h100_tune_pipelined.json).
+    "sm90:d128:full": ((128, 128, 8, 3), (32, 64, 4, 4), (128, 64, 8, 3)),
+    "sm90:d128:causal": ((128, 128, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
+    "sm90:d64:full": ((64, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 3)),
+    "sm90:d64:causal": ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)),
+}
+TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (switches.py)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table(path: Optional[str]) -> Dict[str, Tuple[Tuple[int, int, int, int], ...]]:
+    table = dict(TUNED)
+    if path:
+        with open(path) as f:
+            table.update({k: tuple(tuple(t) for t in v) for k, v in json.load(f).items()})
+    return table
+
+
+# Short sequences get their own rows where tuned ("...:s1024", "...:s2048": the longer of Sq and Sk
+# up to that bound), since fewer key tiles per program change which tile wins.
+SHORT_SEQ_BUCKETS = (1024, 2048)
+
+
+def tuned_key(arch: int, head_dim: int, causal: bool, seqlen: Optional[int] = None) -> str:
+    """The TUNED key; with `seqlen` (the longer of Sq and Sk) its short-sequence bucket, if any."""
+    key = f"sm{arch}:d{next_pow2(head_dim)}:{'causal' if causal else 'full'}"
+    bucket = next((b for b in SHORT_SEQ_BUCKETS if seqlen is not None and seqlen <= b), None)
+    return key if bucket is None else f"{key}:s{bucket}"
+
+
+def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, causal: bool = False) -> FlashConfig:
+    """Tiles per (platform, head dim, causal): the tuned table first, then heuristics."""
+    d = max(next_pow2(shapes.head_dim), next_pow2(shapes.head_dim_v))
+    if interpret:
+        # The interpreter pays per tile op, not per element: big tiles, no pipelining.
+        t = TileConfig(64, 64, 4, 1)
+        return FlashConfig(t, t, t)
+    table = _tuned_table(switches.current().get(TUNED_FILE_ENV))
+    tuned = table.get(tuned_key(arch, d, causal, max(shapes.seqlen_q, shapes.seqlen_k)),
+                      table.get(tuned_key(arch, d, causal)))
+    if shapes.dtype == "float32" and d > 64:
+        # fp32 tiles take twice the shared memory (and 3xTF32 more): sized with
+        # dualattn.kernels.compile_check to fit sm_80 (163 KB) and sm_90 (227 KB).
+        if d <= 128:
+            fwd, dkdv, dq = TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2)
+        else:
+            fwd, dkdv, dq = TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1), TileConfig(16, 32, 4, 1)
+    elif tuned is not None:  # tuned on 16-bit inputs
+        fwd, dkdv, dq = (TileConfig(*t) for t in tuned)
+    else:
+        if d <= 64:
+            fwd = TileConfig(128, 64, 4, 3)
+        elif d <= 128:
+            fwd = TileConfig(128, 64, 8, 3)
+        else:
+            fwd = TileConfig(64, 32, 4, 2)
+        if d <= 128:
+            dkdv = TileConfig(32, 128, 4, 3)
+            dq = TileConfig(128, 32, 4, 3)
+        else:
+            dkdv = TileConfig(32, 64, 4, 2)
+            dq = TileConfig(64, 32, 4, 2)
+    if shapes.seqlen_q <= 64 or shapes.seqlen_k <= 64:
+        # Decode-like shapes: don't waste most of a 128-row tile.
+        def small(t):
+            return TileConfig(min(t.block_m, max(16, next_pow2(shapes.seqlen_q))),
+                              min(t.block_n, max(16, next_pow2(shapes.seqlen_k))), min(t.num_warps, 4), t.num_stages)
+        fwd, dkdv, dq = small(fwd), small(dkdv), small(dq)
+    return FlashConfig(fwd, dkdv, dq)
+
+
