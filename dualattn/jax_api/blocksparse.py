@@ -29,7 +29,7 @@ def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, 
     b, sq, hq, _ = query.shape
     layout = resolve_layout(layout, mask_builder, batch=b, heads=hq, seqlen_q=sq, seqlen_k=key.shape[1],
                             block_q=block_q, block_k=block_k)
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, query)
     if backend == "pallas":
         backend = "xla"  # no Pallas block-sparse kernel yet; the xla path runs everywhere
     if backend == "xla":

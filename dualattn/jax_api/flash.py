@@ -157,13 +157,21 @@ def check_arrays(**arrays) -> None:
         raise TypeError(f"{name} must be a jax array, got {type(x).__module__}.{type(x).__name__}{hint}")
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, query=None) -> str:
+    """The backend that runs: "auto" resolved to one this install can run; ImportError naming the extra
+    to install where "triton" cannot run (on a GPU it needs jax-triton; on CPU the interpreter needs
+    nothing more), raised before anything is traced."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
+    if backend == "auto":
+        backend = {"gpu": "triton", "tpu": "pallas"}.get(jax.default_backend(), "xla")
+        if backend == "triton" and not _launch.jax_triton_available():
+            return "xla"
         return backend
-    platform = jax.default_backend()
-    return {"gpu": "triton", "tpu": "pallas"}.get(platform, "xla")
+    if backend == "triton" and not _launch.jax_triton_available() and _launch._on_gpu(query):
+        raise ImportError("backend='triton' launches the kernels on a GPU through jax-triton, which is not "
+                          "installed: pip install 'dualattn[jax-gpu]' (or use backend='xla')")
+    return backend
 
 
 def _descriptor_flags(query) -> dict:
@@ -213,7 +221,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         # tokens (a no-op on checked ones), so sequences never overlap (mask.varlen_tokens).
         cu_seqlens_q = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_q), shapes.total_q)
         cu_seqlens_k = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k), shapes.total_k)
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, query)
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
