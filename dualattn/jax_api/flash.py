@@ -3,7 +3,7 @@
 backend="triton": jax.custom_vjp over the shared Triton kernels (dualattn/kernels/flash),
 launched with the very launch plans the torch side uses (jax-triton on GPU, the
 interpreter through pure_callback on CPU).  "xla" and "pallas" live in their folders;
-"auto" picks triton on GPU, pallas on TPU, xla elsewhere.
+"auto" picks triton on GPU (xla where jax-triton is not installed), pallas on TPU, xla elsewhere.
 """
 from __future__ import annotations
 
@@ -285,7 +285,8 @@ def flash_attention(query, key, value, *, softmax_scale: Optional[float] = None,
         dropout_prob, dropout_seed: the seed (int or traced integer scalar) is required with dropout;
             with the same seed the torch and jax launches of the Triton kernel drop the same entries.
         return_lse: also return the float32 log-sum-exp (B, Hq, Sq).
-        backend: "triton" | "xla" | "pallas" | "auto" (triton on GPU, pallas on TPU, xla on CPU).
+        backend: "triton" | "xla" | "pallas" | "auto" (triton on GPU, pallas on TPU, xla on CPU; xla on a
+            GPU without jax-triton, the `jax-gpu` extra, which backend="triton" needs there).
         xla_options: extra keywords for the xla backend (block_q, block_k, precision, logits_dtype).
 
     Returns:
