@@ -391,7 +391,7 @@ def attention(query, key, value, *, algorithm: str = "auto", mask_info: Optional
               softmax_scale: Optional[float] = None, causal: Optional[bool] = None, sliding_window=None,
               logits_soft_cap: Optional[float] = None, softmax_aux=None, bias=None, dropout_prob: float = 0.0,
               dropout_seed=None, return_lse: bool = False, backend: str = "auto", config=None,
-              autotune: Optional[bool] = None, **algorithm_kwargs):
+              autotune: bool = False, **algorithm_kwargs):
     """Attention over BSHD inputs by any registered algorithm: torch in -> torch out, jax in -> jax out.
 
     Args:
@@ -410,7 +410,7 @@ def attention(query, key, value, *, algorithm: str = "auto", mask_info: Optional
         backend: jax "triton" | "xla" | "pallas" | "auto"; torch "triton" | "auto".
         config: pin the launch config (a FlashConfig or its JSON form from the cache file).
         autotune: True: on a cache miss, time the candidate configs on the GPU and store the best in
-            the cache file both frameworks read; False: never; None: DUALATTN_AUTOTUNE decides.
+            the cache file both frameworks read; False (default): never.
         **algorithm_kwargs: passed to the algorithm's function as they are (ring: axis_name / group,
             layout="zigzag"; nsa: g_cmp, g_slc, g_swa, block_size, block_counts, window_size, ...).
 
@@ -423,12 +423,12 @@ def attention(query, key, value, *, algorithm: str = "auto", mask_info: Optional
         ValueError / TypeError: an argument the algorithm does not take, or a bad argument.
     """
     from .interop import framework_of_arguments
+    if mask_info is not None and not isinstance(mask_info, MaskInfo):
+        raise TypeError(f"mask_info must be a dualattn.MaskInfo, got {type(mask_info).__name__}")
     arrays = dict(key=key, value=value, softmax_aux=softmax_aux, bias=bias,
                   **(mask_info.fields() if mask_info is not None else {}))
     arrays.pop("layout", None)
     platform = framework_of_arguments("dualattn.attention", query, arrays)
-    if mask_info is not None and not isinstance(mask_info, MaskInfo):
-        raise TypeError(f"mask_info must be a dualattn.MaskInfo, got {type(mask_info).__name__}")
     if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "auto":
@@ -492,7 +492,7 @@ class Attention:
     jax_api.nnx.MultiHeadAttention); safe to share between layers, threads and frameworks.
     """
 
-    def __init__(self, algorithm: str = "auto", *, autotune: Optional[bool] = None, config=None,
+    def __init__(self, algorithm: str = "auto", *, autotune: bool = False, config=None,
                  backend: str = "auto", **defaults):
         if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

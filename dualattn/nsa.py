@@ -131,6 +131,13 @@ def check_gates(gates: dict, batch: int, seqlen: int, heads_q: int) -> None:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtype_name(g)}")
 
 
+def check_sliding_gate(g_swa, window_size: int) -> None:
+    """A sliding gate needs a window: with window_size 0 the branch (and its gate) would be left out."""
+    if g_swa is not None and window_size == 0:
+        raise ValueError("g_swa is given but window_size is 0: the sliding-window branch needs window_size > 0 "
+                         "(or leave g_swa None)")
+
+
 def default_scale(head_dim: int, softmax_scale) -> float:
     if softmax_scale is None:
         return head_dim ** -0.5

@@ -1,4 +1,11 @@
 """JAX front end: backend="triton" (the shared Triton kernels), "xla", "pallas", "auto"."""
+from .._extras import framework_missing
+
+try:
+    import jax  # noqa: F401
+except ImportError as error:
+    raise framework_missing(__name__, error) from error
+
 from .blocksparse import blocksparse_attention  # noqa: F401
 from .flash import BACKENDS, flash_attention, flash_attention_varlen  # noqa: F401
 from .nn import dot_product_attention  # noqa: F401

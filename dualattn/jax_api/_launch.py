@@ -1,14 +1,16 @@
 """Run a framework-neutral `Launch` on jax arrays.
 
 GPU: `jax_triton.triton_call` on the compiled kernel (imported lazily: jax_triton refuses
-to import on a CPU-only jaxlib).  CPU: the interpreted kernel, inside `jax.pure_callback`,
-on torch views of the same buffers (DLPack, zero-copy).  Both consume the same Launch, so
-they run the same kernel variant with the same grid and tiles.
+to import on a CPU-only jaxlib; the `jax-gpu` extra installs it).  CPU: the interpreted kernel,
+inside `jax.pure_callback`, on the NumPy arrays the callback receives (kernels/host.py; no
+torch needed).  Both consume the same Launch, so they run the same kernel variant with the same
+grid and tiles.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 from typing import Dict, Optional
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels import _interpret
+from ..kernels import _interpret, host
 from ..kernels.launch import Launch
 from . import _gluon, _scratch, ptxas
 
@@ -41,6 +43,12 @@ def gpu_arch() -> int:
     cc = getattr(jax.devices("gpu")[0], "compute_capability", "9.0")
     major, minor = str(cc).split(".")[:2]
     return int(major) * 10 + int(minor)
+
+
+@functools.lru_cache(maxsize=None)
+def jax_triton_available() -> bool:
+    """Whether jax-triton is installed (the `jax-gpu` extra): the GPU route needs it, the CPU one does not."""
+    return importlib.util.find_spec("jax_triton") is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,27 +123,18 @@ def _run_sequential_vmap(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[s
 
 
 class _HostLaunch:
-    """The pure_callback body: the interpreted kernel on torch views of the host buffers."""
+    """The pure_callback body: the interpreted kernel on the host buffers, as NumPy arrays."""
 
     def __init__(self, launch: Launch, names, out_dtypes):
         # One launch: _run runs the chain, one callback per launch.
         self.launch, self.names, self.out_dtypes = dataclasses.replace(launch, then=None), names, out_dtypes
 
     def __call__(self, *values):
-        import torch
-        from ..torch_api import _launch as torch_launch
-
-        tensors = {}
-        for name, v in zip(self.names, values):
-            t = torch.from_dlpack(v) if hasattr(v, "__dlpack__") else torch.from_numpy(np.asarray(v))
+        arrays = {}
+        for name, value in zip(self.names, values):
+            array = np.asarray(value)
             # The interpreter computes bf16 on raw integers: upcast on the CPU path only.
-            tensors[name] = t.float() if t.dtype == torch.bfloat16 else t
-        res = torch_launch.run(self.launch, tensors)
-        outs = []
-        for o, want in zip(self.launch.results, self.out_dtypes):
-            t = res[o.name]
-            if want == jnp.bfloat16:
-                outs.append(t.to(torch.bfloat16).view(torch.int16).numpy().view(jnp.bfloat16))
-            else:
-                outs.append(t.numpy().astype(np.dtype(want), copy=False))
-        return tuple(outs)
+            arrays[name] = array.astype(np.float32) if array.dtype == jnp.bfloat16 else array
+        results = host.run(self.launch, arrays)
+        return tuple(results[o.name].astype(np.dtype(want), copy=False)
+                     for o, want in zip(self.launch.results, self.out_dtypes))

@@ -18,7 +18,7 @@ def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, 
 
     backend: "triton" (the shared Triton kernels; jax-triton on GPU, the interpreter on CPU),
     "xla" (gathers only the active blocks, never a dense Sq x Sk matrix), or "auto" (triton on
-    GPU, xla elsewhere).
+    GPU with jax-triton installed, xla elsewhere).
     """
     check_arrays(query=query, key=key, value=value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                  q_positions=q_positions, kv_positions=kv_positions, softmax_aux=softmax_aux)
@@ -29,7 +29,7 @@ def blocksparse_attention(query, key, value, *, layout=None, mask_builder=None, 
     b, sq, hq, _ = query.shape
     layout = resolve_layout(layout, mask_builder, batch=b, heads=hq, seqlen_q=sq, seqlen_k=key.shape[1],
                             block_q=block_q, block_k=block_k)
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, query)
     if backend == "pallas":
         backend = "xla"  # no Pallas block-sparse kernel yet; the xla path runs everywhere
     if backend == "xla":

@@ -3,7 +3,7 @@
 backend="triton": jax.custom_vjp over the shared Triton kernels (dualattn/kernels/flash),
 launched with the very launch plans the torch side uses (jax-triton on GPU, the
 interpreter through pure_callback on CPU).  "xla" and "pallas" live in their folders;
-"auto" picks triton on GPU, pallas on TPU, xla elsewhere.
+"auto" picks triton on GPU (xla where jax-triton is not installed), pallas on TPU, xla elsewhere.
 """
 from __future__ import annotations
 
@@ -159,13 +159,21 @@ def check_arrays(**arrays) -> None:
         raise TypeError(f"{name} must be a jax array, got {type(x).__module__}.{type(x).__name__}{hint}")
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, query=None) -> str:
+    """The backend that runs: "auto" resolved to one this install can run; ImportError naming the extra
+    to install where "triton" cannot run (on a GPU it needs jax-triton; on CPU the interpreter needs
+    nothing more), raised before anything is traced."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
+    if backend == "auto":
+        backend = {"gpu": "triton", "tpu": "pallas"}.get(jax.default_backend(), "xla")
+        if backend == "triton" and not _launch.jax_triton_available():
+            return "xla"
         return backend
-    platform = jax.default_backend()
-    return {"gpu": "triton", "tpu": "pallas"}.get(platform, "xla")
+    if backend == "triton" and not _launch.jax_triton_available() and _launch._on_gpu(query):
+        raise ImportError("backend='triton' launches the kernels on a GPU through jax-triton, which is not "
+                          "installed: pip install 'dualattn[jax-gpu]' (or use backend='xla')")
+    return backend
 
 
 def _descriptor_flags(query) -> dict:
@@ -217,7 +225,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         # tokens (a no-op on checked ones), so sequences never overlap (mask.varlen_tokens).
         cu_seqlens_q = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_q), shapes.total_q)
         cu_seqlens_k = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k), shapes.total_k)
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, query)
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
@@ -281,7 +289,8 @@ def flash_attention(query, key, value, *, softmax_scale: Optional[float] = None,
         dropout_prob, dropout_seed: the seed (int or traced integer scalar) is required with dropout;
             with the same seed the torch and jax launches of the Triton kernel drop the same entries.
         return_lse: also return the float32 log-sum-exp (B, Hq, Sq).
-        backend: "triton" | "xla" | "pallas" | "auto" (triton on GPU, pallas on TPU, xla on CPU).
+        backend: "triton" | "xla" | "pallas" | "auto" (triton on GPU, pallas on TPU, xla on CPU; xla on a
+            GPU without jax-triton, the `jax-gpu` extra, which backend="triton" needs there).
         xla_options: extra keywords for the xla backend (block_q, block_k, precision, logits_dtype).
         deterministic: bitwise reproducible gradients.  The triton backend's one-pass Hopper backward
             adds dQ tiles with atomics; deterministic=True takes the two-pass kernels.  The xla and

@@ -181,6 +181,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     checks.check_gates(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), b, t, hq)
     block_size = checks.check_block_size(block_size)
     window_size = checks._check_int("window_size", window_size, 0)
+    checks.check_sliding_gate(g_swa, window_size)
     scale = checks.default_scale(d, softmax_scale)
     backend = _backend(backend)
     cu_values = _concrete(cu_seqlens)

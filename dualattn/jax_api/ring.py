@@ -42,6 +42,7 @@ class _RingStatic:
     options: FlashOptions
     backend: str                # "triton" or "xla"
     heads_q: int
+    deterministic: bool = False  # flash backward without the one-pass kernel's dQ atomics
 
 
 def _block_options(options: FlashOptions, block: ring_rules.RingBlock) -> FlashOptions:
@@ -50,12 +51,12 @@ def _block_options(options: FlashOptions, block: ring_rules.RingBlock) -> FlashO
     return dataclasses.replace(options, window_left=None, window_right=None)
 
 
-def _triton_block(q, k, v, q_seg, kv_seg, options, block):
+def _triton_block(q, k, v, q_seg, kv_seg, options, block, deterministic=False):
     """(static, arrays) of the flash Triton launch of one block (dualattn.jax_api.flash internals)."""
     shapes = check_flash_args(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     options = _block_options(options, block)
     static = flash._Static(shapes, options, flash._triton_config(shapes, options, q), block.diag_shift, None,
-                           **flash._descriptor_flags(q))
+                           **flash._descriptor_flags(q), deterministic=deterministic)
     return static, dict(query=q, key=k, value=v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
 
 
@@ -69,7 +70,7 @@ def _xla_positions(block, len_q, len_k):
 def _block_forward(static: _RingStatic, block, q, k, v, q_seg, kv_seg):
     """(out, lse) of one block, out in the input dtype, lse fp32."""
     if static.backend == "triton":
-        st, arrays = _triton_block(q, k, v, q_seg, kv_seg, static.options, block)
+        st, arrays = _triton_block(q, k, v, q_seg, kv_seg, static.options, block, static.deterministic)
         return flash._forward(st, arrays)
     from .xla import flash_attention_xla
     qp, kp = _xla_positions(block, q.shape[1], k.shape[1])
@@ -80,7 +81,7 @@ def _block_forward(static: _RingStatic, block, q, k, v, q_seg, kv_seg):
 def _block_backward(static: _RingStatic, block, q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
     """(dq, dk, dv) of one block from the merged out / lse (P = exp(s - lse))."""
     if static.backend == "triton":
-        st, arrays = _triton_block(q, k, v, q_seg, kv_seg, static.options, block)
+        st, arrays = _triton_block(q, k, v, q_seg, kv_seg, static.options, block, static.deterministic)
         grads = flash._flash_triton_bwd(st, (arrays, out, lse), (dout, dlse))[0]
         return grads["query"], grads["key"], grads["value"]
     from .xla import flash_attention_backward_xla
@@ -219,7 +220,7 @@ def _resolve_backend(backend: str) -> str:
 def ring_attention(query, key, value, *, axis_name, causal: bool = False, sliding_window=None,
                    softmax_scale: Optional[float] = None, logits_soft_cap: Optional[float] = None,
                    softmax_aux=None, q_segment_ids=None, kv_segment_ids=None, layout: str = "zigzag",
-                   backend: str = "auto", return_lse: bool = False):
+                   backend: str = "auto", return_lse: bool = False, deterministic: bool = False):
     """Ring attention over a `shard_map` axis: this device's shard of a longer sequence.
 
     Call inside `jax.shard_map` with the sequence dim of query/key/value (and segment ids) sharded
@@ -236,6 +237,8 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, slidin
         layout: "zigzag" (default; equal causal work per device) or "contiguous".
         backend: "triton" (the shared flash kernels), "xla", "auto" (triton on GPU, else xla).
         return_lse: also return this shard's float32 lse (B, Hq, L), sinks included.
+        deterministic: bitwise reproducible gradients (each step's flash backward without the one-pass
+            kernel's dQ atomics), as flash_attention's.
 
     Returns:
         out (B, L, Hq, Dv) in query's dtype, or (out, lse).
@@ -243,6 +246,7 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, slidin
     flash.check_arrays(query=query, key=key, value=value, q_segment_ids=q_segment_ids,
                        kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux)
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    deterministic = check_flag("deterministic", deterministic)
     shapes = check_flash_args(query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                               softmax_aux=softmax_aux)
     if shapes.seqlen_q != shapes.seqlen_k:
@@ -256,7 +260,7 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, slidin
     schedules = tuple(ring_rules.ring_schedule(shapes.seqlen_q * world, world, layout, r, options.window_left,
                                                options.window_right) for r in range(world))
     static = _RingStatic(axis_name, world, schedules, ring_rules.active_steps(schedules), options, backend,
-                         shapes.heads_q)
+                         shapes.heads_q, deterministic)
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids

@@ -36,6 +36,12 @@ _PACKAGE = "_dualattn_interpreted"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCK = threading.Lock()
 
+# Triton's interpreter patches triton.language module-wide while a kernel runs, so two
+# interpreted launches at once (jax's per-shard callbacks under shard_map run in parallel
+# threads, torch and jax launches in threads of one process) corrupt each other: every
+# interpreted launch holds this lock.
+LAUNCH_LOCK = threading.Lock()
+
 
 def _squeeze_scalars_to_index() -> None:
     """Triton 3.6's interpreter turns a scalar tensor into a Python int (a `range` bound, e.g. the

@@ -1,4 +1,11 @@
 """PyTorch front end: torch.library ops + autograd over the shared Triton kernels."""
+from .._extras import framework_missing
+
+try:
+    import torch  # noqa: F401
+except ImportError as error:
+    raise framework_missing(__name__, error) from error
+
 from .blocksparse import blocksparse_attention  # noqa: F401
 from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func,  # noqa: F401
                     scaled_dot_product_attention)

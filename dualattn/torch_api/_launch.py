@@ -16,12 +16,6 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
            "int32": torch.int32, "int8": torch.int8}
 
 
-# Triton's interpreter patches triton.language module-wide while a kernel runs, so two
-# interpreted launches at once (jax's per-shard callbacks under shard_map run in parallel
-# threads) corrupt each other: run them one at a time.
-_INTERPRETER_LOCK = threading.Lock()
-
-
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -166,7 +160,7 @@ def run(launch: Launch, arrays: Dict[str, Optional[torch.Tensor]],
                                    else alloc(shape, dtype=dtype, device=device))
         args.append(out)
     if interpret:
-        with _INTERPRETER_LOCK:
+        with _interpret.LAUNCH_LOCK:
             prep.kernel[launch.grid](*args, **prep.constexprs, num_warps=launch.num_warps,
                                      num_stages=launch.num_stages)
     else:

@@ -182,6 +182,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     checks.check_gates(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), b, t, hq)
     block_size = checks.check_block_size(block_size)
     window_size = checks._check_int("window_size", window_size, 0)
+    checks.check_sliding_gate(g_swa, window_size)
     scale = checks.default_scale(d, softmax_scale)
     cu_values = _cu_values(cu_seqlens)
     if cu_values is not None:

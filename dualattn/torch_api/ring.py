@@ -35,9 +35,11 @@ class _RingStatic:
     steps: int
     options: FlashOptions
     heads_q: int
+    deterministic: bool = False
 
 
-def _named(q, k, v, q_seg, kv_seg, options: FlashOptions, block: ring_rules.RingBlock) -> dict:
+def _named(q, k, v, q_seg, kv_seg, options: FlashOptions, block: ring_rules.RingBlock,
+           deterministic: bool = False) -> dict:
     """The flash op's arguments by name for one block (dualattn.torch_api.flash internals)."""
     if not block.masked:
         options = dataclasses.replace(options, window_left=None, window_right=None)
@@ -48,7 +50,7 @@ def _named(q, k, v, q_seg, kv_seg, options: FlashOptions, block: ring_rules.Ring
                  window_left=side(options.window_left), window_right=side(options.window_right),
                  logits_soft_cap=options.logits_soft_cap or 0.0, dropout_prob=0.0, dropout_seed=0,
                  diag_shift=block.diag_shift, sparse_block_q=0, sparse_block_k=0, sparse_contiguous=0,
-                 deterministic=False)
+                 deterministic=deterministic)
     return named
 
 
@@ -88,7 +90,7 @@ def _ring_forward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks):
         for blk in static.schedule[t]:
             named = _named(_rows(q, blk, False), _rows(kv[0], blk, True), _rows(kv[1], blk, True),
                            _rows(q_seg, blk, False), _rows(kv[2] if len(kv) > 2 else None, blk, True),
-                           static.options, blk)
+                           static.options, blk, static.deterministic)
             out_b, lse_b, _, _ = flash._forward(named)
             rows = slice(blk.q_start, blk.q_stop)
             acc[:, rows], lse[:, :, rows] = ring_rules.merge_partial(torch, acc[:, rows], lse[:, :, rows],
@@ -113,7 +115,7 @@ def _ring_backward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks, out, lse,
         for blk in static.schedule[t]:
             named = _named(_rows(q, blk, False), _rows(kv[0], blk, True), _rows(kv[1], blk, True),
                            _rows(q_seg, blk, False), _rows(kv[2] if len(kv) > 2 else None, blk, True),
-                           static.options, blk)
+                           static.options, blk, static.deterministic)
             bq, bk, bv, _, _ = flash._backward(named, _rows(dout, blk, False), _rows(out, blk, False),
                                                _rows(lse, blk, False, 2), _rows(dlse, blk, False, 2))
             dq[:, blk.q_start:blk.q_stop] += bq.float()
@@ -168,7 +170,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
                    sliding_window=None, softmax_scale: Optional[float] = None,
                    logits_soft_cap: Optional[float] = None, softmax_aux: Optional[Tensor] = None,
                    q_segment_ids: Optional[Tensor] = None, kv_segment_ids: Optional[Tensor] = None,
-                   layout: str = "zigzag", return_lse: bool = False):
+                   layout: str = "zigzag", return_lse: bool = False, deterministic: bool = False):
     """Ring attention over a torch.distributed group: this rank's shard of a longer sequence.
 
     Every rank of `group` calls it with its shard, the sequence sharded in `layout` order
@@ -184,6 +186,9 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
         q_segment_ids, kv_segment_ids: int (B, L) shards of the global ids (one given: both).
         layout: "zigzag" (default; equal causal work per rank) or "contiguous".
         return_lse: also return this shard's float32 lse (B, Hq, L), sinks included.
+        deterministic: bitwise reproducible gradients (each step's flash backward without the one-pass
+            kernel's dQ atomics), as flash_attention's.
+            Also on under torch.use_deterministic_algorithms(True).
 
     Returns:
         out (B, L, Hq, Dv) in query's dtype, or (out, lse).
@@ -192,6 +197,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    deterministic = check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     flash._check_devices(query=query, key=key, value=value, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
                          kv_segment_ids=kv_segment_ids)
     shapes = flash._checked(query, key, value, None, None, q_segment_ids, kv_segment_ids, softmax_aux, None, None,
@@ -206,7 +212,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
     schedules = [ring_rules.ring_schedule(shapes.seqlen_q * world, world, layout, r, options.window_left,
                                           options.window_right) for r in range(world)]
     static = _RingStatic(group, world, rank, schedules[rank], ring_rules.active_steps(schedules), options,
-                         shapes.heads_q)
+                         shapes.heads_q, deterministic)
     query, key, value, _, _, q_segment_ids, kv_segment_ids, softmax_aux = flash._normalise(
         query, key, value, None, None, q_segment_ids, kv_segment_ids, softmax_aux)
     key, value = key.contiguous(), value.contiguous()   # sent as they are

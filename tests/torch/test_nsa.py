@@ -195,6 +195,8 @@ def test_bad_gates(torch_gen):
         native_sparse_attention(q, k, v, g_slc=torch.ones(1, 32, 1), block_size=16)
     with pytest.raises(ValueError, match="window_size must be >= 0"):
         native_sparse_attention(q, k, v, g_swa=torch.ones(1, 32, 2), block_size=16, window_size=-1)
+    with pytest.raises(ValueError, match="g_swa is given but window_size is 0"):
+        native_sparse_attention(q, k, v, g_swa=torch.ones(1, 32, 2), block_size=16)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

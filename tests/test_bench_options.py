@@ -1,0 +1,66 @@
+"""CPU dry run of benchmarks/bench_options.py: cases, exact pair counts, the correctness guard, the JSON."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_options.py"
+_spec = importlib.util.spec_from_file_location("bench_options", _PATH)
+bench_options = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench_options  # dataclasses look their module up there
+_spec.loader.exec_module(bench_options)
+
+
+def _case(name):
+    return bench_options.shrink(next(c for c in bench_options.CASES if c.name == name))
+
+
+def test_pairs_are_counted_exactly():
+    docs = bench_options.make_problem(_case("docs"), 0, "cpu")  # 8 causal documents of 8 tokens, H=2
+    assert docs.pairs() == 2 * 8 * (8 * 9 // 2)
+    window = bench_options.make_problem(_case("window_causal"), 0, "cpu")  # j in [i - 16, i]
+    assert window.pairs() == 2 * sum(min(i + 1, 17) for i in range(64))
+    mask = bench_options.make_problem(_case("mask"), 0, "cpu")
+    assert mask.pairs() == int(mask.mask.sum())
+
+
+def test_reference_sees_a_missing_option():
+    from dualattn.torch_api import flash_attention
+    p = bench_options.make_problem(_case("sinks_causal"), 0, "cpu")
+    refs = p.reference_heads()
+    with_sinks = flash_attention(p.inputs.q, p.inputs.k, p.inputs.v, **p.flash_kwargs())
+    without = flash_attention(p.inputs.q, p.inputs.k, p.inputs.v, causal=True)
+    err = lambda out: max(bench_options.rel_error(out[0, :, h], ref) for h, ref in refs.items())  # noqa: E731
+    assert err(with_sinks) < 2e-2 < err(without)
+
+
+def test_cpu_dry_run_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "options.json"
+    assert bench_options.main(["--device", "cpu", "--cases", "sinks_causal,docs_varlen", "--out", str(out),
+                               "--markdown"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["device"] == "cpu" and {"torch", "triton", "jax"} <= set(doc["meta"]["versions"])
+    assert doc["meta"]["bases"]["docs_varlen"] == "plain_causal_b1_s16384_h16_d128"
+    rows = {(r["case"], r["system"], r["mode"]): r for r in doc["rows"]}
+    assert {c for c, _, _ in rows} == {"plain_causal", "sinks_causal", "plain_causal_b1_s16384_h16_d128",
+                                       "docs_varlen"}
+    for mode in ("fwd", "fwdbwd"):
+        ours = rows[("sinks_causal", "dualattn-torch", mode)]
+        assert ours["status"] == "ok" and ours["err"] < 2e-2 and ours["tflops"] > 0 and ours["ratio_to_base"] > 0
+        assert rows[("plain_causal", "dualattn-torch", mode)]["ratio_to_base"] == 1.0
+        assert rows[("docs_varlen", "flex", mode)]["status"] == "unavailable"
+    assert rows[("docs_varlen", "dualattn-torch", "fwd")]["pairs"] == 8 * (8 * 9 // 2) * 2
+    table = capsys.readouterr().out
+    assert "| sinks_causal | sinks |" in table and "| docs_varlen | varlen+documents |" in table
+
+
+def test_unknown_case_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench_options.parse_args(["--cases", "plain,nope"])
+    assert info.value.code == 2 and "nope" in capsys.readouterr().err
