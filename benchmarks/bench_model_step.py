@@ -159,7 +159,9 @@ def main():
         device_name = torch.cuda.get_device_name(0)
     stamp = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
-    tag = "cpu_dryrun" if cpu else "h100_quick" if args.quick else "h100"
+    gpu = device_name.split()[-1].lower().replace(" ", "")   # "NVIDIA H100 80GB HBM3" -> "hbm3"; keep the model name
+    gpu = next((w.lower() for w in device_name.split() if w[:1] in "HAB" and w[1:4].isdigit()), gpu)
+    tag = "cpu_dryrun" if cpu else f"{gpu}_quick" if args.quick else gpu
     path = os.path.join(args.out, f"{stamp}_{tag}_model_step.json")
     with open(path, "w") as f:
         json.dump(dict(size=size, dtype=dtype, tokens_per_step=tokens, device=device_name, host=platform.node(),

@@ -100,9 +100,20 @@ def _torch_run(args):
 
     def timeit(fn):
         if args.device == "cuda":
-            import triton.testing
+            # A fixed number of calls on every rank: the ring's P2P transfers pair up across ranks, so
+            # a per-rank repeat count (do_bench estimates one from its own warm-up) deadlocks.
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
             dist.barrier()
-            return triton.testing.do_bench(fn, warmup=10 if args.quick else 25, rep=30 if args.quick else 100) * 1e-3
+            reps = 10 if args.quick else 30
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / reps * 1e-3
         fn()
         t0 = time.perf_counter()
         fn()

@@ -226,7 +226,7 @@ def sinks_lse(xp, softmax_aux, heads_q: int):
     ref = xp.where((m == float("inf")) | (m == -float("inf")), xp.zeros_like(m), m)
     lse = xp.log(xp.exp(s - ref[:, None]).sum(-1)) + ref
     lse = xp.where(m == float("inf"), m, lse)   # a +inf sink takes the whole softmax
-    return lse + xp.zeros((heads_q,), dtype=lse.dtype)   # shared sinks: the same for every head
+    return xp.broadcast_to(lse, (heads_q,))   # shared sinks: the same for every head (on lse's device)
 
 
 def add_sinks(xp, out, lse, sink_lse):

@@ -327,11 +327,8 @@ def available_jax_backends(device: str) -> tuple:
         return ()
     if device == "cpu" or jax.default_backend() != "gpu":
         return ("triton", "xla", "pallas") if jax.default_backend() == "cpu" else ("xla",)
-    try:
-        import jax_triton  # noqa: F401
-    except ImportError:
-        return ("xla",)
-    return ("triton", "xla")
+    from ..jax_api import _launch   # imports jax-triton the way the front end does (TRITON_CACHE_DIR kept)
+    return ("triton", "xla") if _launch.jax_triton_available() else ("xla",)
 
 
 def check_valid(c: dict, x: Inputs, device: str) -> dict:
