@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .sparse import as_numpy
+from .sparse import SparseMask, as_numpy
 
 
 class MaskBuilder:
@@ -120,3 +120,17 @@ def document(segment_ids) -> MaskBuilder:
             khas[bi, pos[bi], np.arange(sk) // bk] = True
         return np.einsum("bip,biq->bpq", qhas, khas)[:, None]
     return MaskBuilder(fn, "document")
+
+
+def resolve_layout(layout, mask_builder, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_q: int,
+                   block_k: int) -> SparseMask:
+    """The SparseMask of a blocksparse_attention call, from `layout` or `mask_builder`, checked."""
+    if (layout is None) == (mask_builder is None):
+        raise ValueError("blocksparse_attention needs exactly one of layout= (a SparseMask) or mask_builder=")
+    if layout is None:
+        block_map = as_builder(mask_builder)(batch, heads, seqlen_q, seqlen_k, block_q, block_k)
+        layout = SparseMask.from_block_map(block_map, block_q, block_k)
+    elif not isinstance(layout, SparseMask):
+        raise TypeError(f"layout must be a dualattn.SparseMask (see SparseMask.from_block_map), got {type(layout)}")
+    layout.check(batch, heads, seqlen_q, seqlen_k)
+    return layout

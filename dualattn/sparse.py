@@ -139,21 +139,6 @@ class SparseMask:
                 "sparse_q_index": self.q_indices, "sparse_k_order": self.k_order}
 
 
-def resolve_layout(layout, mask_builder, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_q: int,
-                   block_k: int) -> SparseMask:
-    """The SparseMask of a blocksparse_attention call, from `layout` or `mask_builder`, checked."""
-    if (layout is None) == (mask_builder is None):
-        raise ValueError("blocksparse_attention needs exactly one of layout= (a SparseMask) or mask_builder=")
-    if layout is None:
-        from .masks import as_builder
-        block_map = as_builder(mask_builder)(batch, heads, seqlen_q, seqlen_k, block_q, block_k)
-        layout = SparseMask.from_block_map(block_map, block_q, block_k)
-    elif not isinstance(layout, SparseMask):
-        raise TypeError(f"layout must be a dualattn.SparseMask (see SparseMask.from_block_map), got {type(layout)}")
-    layout.check(batch, heads, seqlen_q, seqlen_k)
-    return layout
-
-
 def sparse_info(layout: SparseMask):
     from .kernels.flash.plan import SparseInfo
     lb, lh, nq, nk = layout.block_map.shape

@@ -22,6 +22,8 @@ from .. import executor
 from ..autotune import median_ms, tune_flash
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
+from . import flash
+from .flash import flash_attention, flash_attention_varlen
 
 
 def flash_autotune_fn(shapes: FlashShapes, options) -> Callable[[Sequence[FlashConfig]], Optional[FlashConfig]]:
@@ -30,7 +32,6 @@ def flash_autotune_fn(shapes: FlashShapes, options) -> Callable[[Sequence[FlashC
 
 def _synthetic_call(shapes: FlashShapes, options, key):
     """(loss(q, k, v), (q, k, v)): one attention call with the shapes and features of the real one."""
-    from .flash import flash_attention, flash_attention_varlen
     dtype = jnp.dtype(shapes.dtype)
     b, hq, hkv, sq, sk = shapes.batch, shapes.heads_q, shapes.heads_kv, shapes.seqlen_q, shapes.seqlen_k
     keys = iter(jax.random.split(key, 8))
@@ -97,3 +98,6 @@ def _tune_here(shapes, options, candidates, timer):
 
     return tune_flash(candidates, lambda c: measure(c, call), lambda c: measure(c, backward),
                       desc=f"dualattn autotune {shapes.seqlen_q}x{shapes.seqlen_k} d{shapes.head_dim}")
+
+
+flash.autotune_fn_for = flash_autotune_fn

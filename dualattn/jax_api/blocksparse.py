@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..options import FlashOptions
-from ..sparse import resolve_layout
+from ..masks import resolve_layout
 from ..validation import check_flag, check_flash_args
 from .flash import _call, _resolve_backend, check_arrays
 

@@ -50,6 +50,11 @@ class _Static:
     deterministic: bool = False     # backward without the one-pass kernel's dQ atomics (plan.plan_backward)
 
 
+# (shapes, options) -> the executor's autotune_fn: set by _autotune.py, which times calls of this
+# module's functions (so the dependency runs one way: _autotune -> flash).
+autotune_fn_for = None
+
+
 def _strides(arrays: dict) -> dict:
     return {n: row_major_strides(a.shape) for n, a in arrays.items() if a is not None}
 
@@ -191,10 +196,10 @@ def _descriptor_flags(query) -> dict:
 def _triton_config(shapes: FlashShapes, options: FlashOptions, query) -> flash_plan.FlashConfig:
     # override -> memory -> disk cache (shared with torch) -> autotune (opt-in) -> plan.default_config
     if _launch._on_gpu(query):
-        from ._autotune import flash_autotune_fn
         return executor.select_config("flash", platform="cuda", backend="triton",
                                       device_name=jax.devices("gpu")[0].device_kind, arch=_launch.gpu_arch(),
-                                      shapes=shapes, options=options, autotune_fn=flash_autotune_fn(shapes, options))
+                                      shapes=shapes, options=options,
+                                      autotune_fn=autotune_fn_for(shapes, options) if autotune_fn_for else None)
     return executor.select_config("flash", platform="cpu", backend="triton-interpret", device_name="cpu",
                                   shapes=shapes, options=options)
 

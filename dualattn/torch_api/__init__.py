@@ -6,6 +6,7 @@ try:
 except ImportError as error:
     raise framework_missing(__name__, error) from error
 
+from . import _autotune  # noqa: F401  (registers the autotuner with flash)
 from .blocksparse import blocksparse_attention  # noqa: F401
 from .flash import (dropout_keep_mask, flash_attention, flash_attn_varlen_func,  # noqa: F401
                     scaled_dot_product_attention)

@@ -19,6 +19,8 @@ from .. import executor
 from ..autotune import REP_MS, WARMUP_MS, tune_flash
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
+from . import flash
+from .flash import flash_attention, flash_attn_varlen_func
 
 
 def _bench(fn: Callable[[], object]) -> float:
@@ -35,7 +37,6 @@ def flash_autotune_fn(shapes: FlashShapes, options, device) -> Callable[[Sequenc
 
 def _synthetic_call(shapes: FlashShapes, options, device):
     """(run(), inputs that take gradients): one attention call with the shapes and features of the real one."""
-    from .flash import flash_attention, flash_attn_varlen_func
     dtype = getattr(torch, shapes.dtype)
     b, hq, hkv, sq, sk = shapes.batch, shapes.heads_q, shapes.heads_kv, shapes.seqlen_q, shapes.seqlen_k
 
@@ -114,3 +115,6 @@ def _tune_here(shapes, options, device, candidates, timer):
 
     return tune_flash(candidates, measure_forward, measure_backward,
                       desc=f"dualattn autotune {shapes.seqlen_q}x{shapes.seqlen_k} d{shapes.head_dim}")
+
+
+flash.autotune_fn_for = flash_autotune_fn

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from ..sparse import resolve_layout
+from ..masks import resolve_layout
 from .flash import _call
 
 Tensor = torch.Tensor

@@ -29,6 +29,10 @@ Tensor = torch.Tensor
 
 _NONE = -1  # window side / sentinel for "unbounded" at the custom-op boundary
 
+# (shapes, options, device) -> the executor's autotune_fn: set by _autotune.py, which times calls of
+# this module's functions (so the dependency runs one way: _autotune -> flash).
+autotune_fn_for = None
+
 
 def _options(softmax_scale: float, window_left: int, window_right: int, logits_soft_cap: float,
              dropout_prob: float) -> FlashOptions:
@@ -149,10 +153,9 @@ def _config(shapes, options, device):
         return executor.select_config("flash", platform="cpu", backend="triton-interpret", device_name="cpu",
                                       shapes=shapes, options=options)
     name, arch = _gpu(device.index if device.index is not None else torch.cuda.current_device())
-    from ._autotune import flash_autotune_fn
     return executor.select_config("flash", platform="cuda", backend="triton", device_name=name, arch=arch,
                                   shapes=shapes, options=options,
-                                  autotune_fn=flash_autotune_fn(shapes, options, device))
+                                  autotune_fn=autotune_fn_for(shapes, options, device) if autotune_fn_for else None)
 
 
 def _descriptors(a: dict) -> bool:
