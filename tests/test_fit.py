@@ -98,3 +98,19 @@ def test_a_random_sample_of_option_combinations_fits_sm90_and_sm80():
         variant = _random_variant(rng)
         for arch in (90, 80):
             _assert_all_fit(variant, arch, f" (DUALATTN_TEST_SEED={seed} reproduces this sample)")
+
+
+def test_a_layout_whose_blocks_cannot_fit_is_a_value_error_naming_it():
+    """Block-sparse tiles are the layout's blocks: where even one stage does not fit (found by the GPU fuzz:
+    float32, D=160, 64x64 blocks on sm_90), the plan says so before any launch, naming `layout`.  (Small here,
+    against a small shared memory, to compile quickly.)"""
+    from dualattn.options import FlashOptions
+    from dualattn.validation import FlashShapes
+    shapes = FlashShapes(1, 64, 64, 2, 2, 64, 64, "float32")
+    options = FlashOptions.build(head_dim=64)
+    sparse = flash_plan.SparseInfo(1, 2, 1, 1, 64, 64)
+    strides = {n: row_major_strides((1, 64, 2, 64)) for n in ("query", "key", "value", "out")}
+    dtypes = {**dict.fromkeys(("query", "key", "value"), "float32"), **dict.fromkeys(flash_plan.SPARSE_INPUTS, "int32")}
+    config = flash_plan.default_config(shapes, interpret=False, arch=90)
+    with pytest.raises(ValueError, match="layout: block-sparse tiles are the layout's 64x64 blocks"):
+        fit.forward(shapes, options, strides, config=config, arch=90, max_shared=16384, dtypes=dtypes, sparse=sparse)

@@ -75,7 +75,7 @@ def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sha
                                          **plan_kwargs)
         if fits(launch, dtypes, arch, max_shared, specialize):
             return launch
-    return _none_fits(launch, arch, max_shared)
+    return _none_fits(launch, arch, max_shared, shapes, plan_kwargs.get("sparse"))
 
 
 def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_shared: int, dtypes: Dict[str, str],
@@ -98,7 +98,7 @@ def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sh
             dkdv = dkdv if dkdv_fits else next(dkdv_tiles)
             dq = dq if dq_fits else next(dq_tiles)
         except StopIteration:
-            return _none_fits(plan.dkdv if not dkdv_fits else plan.dq, arch, max_shared)
+            return _none_fits(plan.dkdv if not dkdv_fits else plan.dq, arch, max_shared, shapes, plan_kwargs.get("sparse"))
 
 
 def _start(config: FlashConfig, plan_kwargs) -> FlashConfig:
@@ -107,6 +107,12 @@ def _start(config: FlashConfig, plan_kwargs) -> FlashConfig:
     return sparse.config() if sparse is not None else config
 
 
-def _none_fits(launch: Optional[Launch], arch: int, max_shared: int):
+def _none_fits(launch: Optional[Launch], arch: int, max_shared: int, shapes=None, sparse=None):
+    if sparse is not None:
+        # A layout's blocks are its kernels' tiles: past one pipeline stage there is nothing to shrink.
+        raise ValueError(f"layout: block-sparse tiles are the layout's {sparse.block_q}x{sparse.block_k} blocks, which "
+                         f"at {shapes.dtype} with head dim {max(shapes.head_dim, shapes.head_dim_v)} need more than the "
+                         f"{max_shared} bytes of shared memory of sm_{arch} even with one pipeline stage: build the "
+                         "layout with smaller blocks (e.g. 32) or run in bfloat16 / float16")
     raise RuntimeError(f"no tile of {launch.kernel if launch else 'the kernel'} fits the {max_shared} bytes of shared "
                        f"memory of sm_{arch}: please report this problem's shapes and options")
