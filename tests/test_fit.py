@@ -46,7 +46,8 @@ def _fitted(variant, arch):
     fwd = fit.forward(shapes, options, strides, **kw)
     dtypes = {**dtypes, "out": variant.dtype, "dout": variant.dtype, "lse": "float32", "dlse": "float32"}
     bwd = fit.backward(shapes, options, strides, lse_grad=variant.lse_grad, **{**kw, "dtypes": dtypes})
-    return config, fwd, bwd, {**dtypes, "delta": "float32", "resume_out": variant.dtype, "resume_lse": "float32"}
+    return config, fwd, bwd, {**dtypes, "delta": "float32", "resume_out": variant.dtype, "resume_lse": "float32",
+                              "segment_ranges": "int32"}
 
 
 def _assert_all_fit(variant, arch, why=""):
