@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+import threading
 import time
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, TypeVar
 
@@ -118,3 +119,23 @@ def tune_flash(candidates: Sequence, measure_forward: Callable, measure_backward
     if fwd is None or bwd is None:
         return None
     return FlashConfig(fwd.fwd, bwd.bwd_dkdv, bwd.bwd_dq)
+
+
+def in_own_thread(fn: Callable[[], T]) -> T:
+    """fn() run in a fresh thread and waited for; its exception re-raised here.  The front ends tune
+    there: torch calls the tuner from inside its forward op, where autograd is off for the calling
+    thread, and JAX may call it while the caller is being traced."""
+    result = {}
+
+    def work():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=work, name="dualattn-autotune")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

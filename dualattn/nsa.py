@@ -6,7 +6,7 @@ TypeError, naming the argument and the expected shape, before any kernel runs.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .kernels.nsa.plan import NsaShapes
 from .validation import FLOAT_DTYPES, INT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, dtype_name
@@ -136,6 +136,37 @@ def check_sliding_gate(g_swa, window_size: int) -> None:
     if g_swa is not None and window_size == 0:
         raise ValueError("g_swa is given but window_size is 0: the sliding-window branch needs window_size > 0 "
                          "(or leave g_swa None)")
+
+
+class NativeArgs(NamedTuple):
+    """native_sparse_attention's checked arguments, as both front ends use them."""
+    batch: int
+    seqlen: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    block_size: int
+    window_size: int
+    scale: float
+    need_selection: bool         # the selected branch runs, or its indices are returned
+    count: Optional[int]         # blocks to select per token where the indices are computed here
+
+
+def check_native(query, key, value, *, gates: dict, block_indices, block_counts, block_size, window_size,
+                 softmax_scale, cu_seqlens, cu_values, return_block_indices) -> NativeArgs:
+    """Checks of native_sparse_attention shared by the torch and JAX front ends (after their own type
+    checks); cu_values: the cu_seqlens table's values where the host can read them, else None."""
+    b, t, hq, hkv, d, _, _ = check_qkv(query, key, value, cu_seqlens)
+    check_gates(gates, b, t, hq)
+    block_size = check_block_size(block_size)
+    window_size = _check_int("window_size", window_size, 0)
+    check_sliding_gate(gates["g_swa"], window_size)
+    scale = default_scale(d, softmax_scale)
+    if cu_values is not None:
+        varlen_bounds(cu_values, t)
+    need_selection = gates["g_slc"] is not None or return_block_indices
+    count = _check_int("block_counts", block_counts, 1) if block_indices is None and need_selection else None
+    return NativeArgs(b, t, hq, hkv, d, block_size, window_size, scale, need_selection, count)
 
 
 def default_scale(head_dim: int, softmax_scale) -> float:

@@ -12,14 +12,13 @@ The tuning runs in a fresh thread: the executor may ask while the caller's funct
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from .. import executor
-from ..autotune import median_ms, tune_flash
+from ..autotune import in_own_thread, median_ms, tune_flash
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
 from . import flash
@@ -68,20 +67,7 @@ def _tune(shapes: FlashShapes, options, candidates: Sequence[FlashConfig],
           timer: Callable[[Callable[[], object]], float] = None) -> Optional[FlashConfig]:
     """Best forward tile and best backward pair among the candidates (None: none of them ran)."""
     timer = timer or (lambda run: median_ms(run, jax.block_until_ready))
-    result = {}
-
-    def work():
-        try:
-            result["best"] = _tune_here(shapes, options, candidates, timer)
-        except BaseException as e:  # re-raised in the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=work, name="dualattn-autotune")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["best"]
+    return in_own_thread(lambda: _tune_here(shapes, options, candidates, timer))
 
 
 def _tune_here(shapes, options, candidates, timer):

@@ -177,19 +177,12 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     counts_array = block_counts if hasattr(block_counts, "shape") and len(block_counts.shape) else None
     check_arrays(query=query, key=key, value=value, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa,
                  block_indices=block_indices, block_counts=counts_array, cu_seqlens=cu_seqlens)
-    b, t, hq, hkv, d, _, _ = checks.check_qkv(query, key, value, cu_seqlens)
-    checks.check_gates(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), b, t, hq)
-    block_size = checks.check_block_size(block_size)
-    window_size = checks._check_int("window_size", window_size, 0)
-    checks.check_sliding_gate(g_swa, window_size)
-    scale = checks.default_scale(d, softmax_scale)
-    backend = _backend(backend)
     cu_values = _concrete(cu_seqlens)
-    if cu_values is not None:
-        checks.varlen_bounds(cu_values, t)
-    need_selection = g_slc is not None or return_block_indices
-    if block_indices is None and need_selection:
-        count = checks._check_int("block_counts", block_counts, 1)
+    _, t, _, hkv, _, block_size, window_size, scale, need_selection, count = checks.check_native(
+        query, key, value, gates=dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), block_indices=block_indices,
+        block_counts=block_counts, block_size=block_size, window_size=window_size, softmax_scale=softmax_scale,
+        cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices)
+    backend = _backend(backend)
     if cu_seqlens is not None and cu_values is None and (g_cmp is not None or block_indices is None):
         raise ValueError("cu_seqlens must be a concrete array (not traced) for the compressed branch and the "
                          "selection, which run per sequence")
@@ -211,7 +204,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
                                               cu_seqlens, backend)
         term = g_slc.astype(query.dtype)[..., None] * o_slc
         out = term if out is None else out + term
-    if g_swa is not None and window_size > 0:
+    if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
                                     softmax_scale=scale, backend=backend)
@@ -222,6 +215,4 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
                                            backend=backend)[None]
         term = g_swa.astype(query.dtype)[..., None] * o_swa
         out = term if out is None else out + term
-    if out is None:   # only a sliding gate, with window_size 0: that branch is left out too
-        out = jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype)
     return (out, block_indices) if return_block_indices else out

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .. import executor
-from ..autotune import REP_MS, WARMUP_MS, tune_flash
+from ..autotune import REP_MS, WARMUP_MS, in_own_thread, tune_flash
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
 from . import flash
@@ -81,21 +80,10 @@ def _tune(shapes: FlashShapes, options, device, candidates: Sequence[FlashConfig
     """
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None  # no timing inside a CUDA graph capture: the heuristic config serves this call
-    result = {}
-
     def work():
-        try:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                result["best"] = _tune_here(shapes, options, device, candidates, timer)
-        except BaseException as e:  # re-raised in the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=work, name="dualattn-autotune")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["best"]
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return _tune_here(shapes, options, device, candidates, timer)
+    return in_own_thread(work)
 
 
 def _tune_here(shapes, options, device, candidates, timer):

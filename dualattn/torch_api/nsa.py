@@ -178,18 +178,11 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     """
     _check_tensors(query=query, key=key, value=value, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa,
                    block_indices=block_indices, block_counts=block_counts, cu_seqlens=cu_seqlens)
-    b, t, hq, hkv, d, _, _ = checks.check_qkv(query, key, value, cu_seqlens)
-    checks.check_gates(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), b, t, hq)
-    block_size = checks.check_block_size(block_size)
-    window_size = checks._check_int("window_size", window_size, 0)
-    checks.check_sliding_gate(g_swa, window_size)
-    scale = checks.default_scale(d, softmax_scale)
     cu_values = _cu_values(cu_seqlens)
-    if cu_values is not None:
-        checks.varlen_bounds(cu_values, t)
-    need_selection = g_slc is not None or return_block_indices
-    if block_indices is None and need_selection:
-        count = checks._check_int("block_counts", block_counts, 1)
+    _, t, _, hkv, _, block_size, window_size, scale, need_selection, count = checks.check_native(
+        query, key, value, gates=dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), block_indices=block_indices,
+        block_counts=block_counts, block_size=block_size, window_size=window_size, softmax_scale=softmax_scale,
+        cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices)
     out = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
@@ -207,7 +200,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
                                               cu_seqlens)
         term = g_slc.to(query.dtype)[..., None] * o_slc
         out = term if out is None else out + term
-    if g_swa is not None and window_size > 0:
+    if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
                                     softmax_scale=scale)
@@ -217,6 +210,4 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
                                            causal=True, sliding_window=(window_size, 0), softmax_scale=scale)[None]
         term = g_swa.to(query.dtype)[..., None] * o_swa
         out = term if out is None else out + term
-    if out is None:   # only a sliding gate, with window_size 0: that branch is left out too
-        out = query.new_zeros(*query.shape[:3], value.shape[-1])
     return (out, block_indices) if return_block_indices else out
