@@ -386,6 +386,26 @@ def _(dout, out, lse, dlse, query, key, value, bias, attention_mask, q_segment_i
             torch.empty_like(softmax_aux) if softmax_aux is not None else query.new_empty((0,)))
 
 
+def _op_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output, *inputs[:len(_TENSOR_ARGS)])
+    ctx.static = inputs[len(_TENSOR_ARGS):]
+
+
+def _op_backward(ctx, dout, dlse):
+    out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv, dbias, dsinks = flash_bwd(dout, out, lse, dlse, *tensors, *ctx.static)
+    named = dict(zip(_TENSOR_ARGS, tensors))
+    grads = dict(query=dq, key=dk, value=dv, bias=dbias if named["bias"] is not None else None,
+                 softmax_aux=dsinks if named["softmax_aux"] is not None else None)
+    return tuple(grads.get(n) for n in _TENSOR_ARGS) + (None,) * len(_STATIC_ARGS)
+
+
+# Autograd of the forward op itself, for graphs that hold the op rather than _FlashAttention
+# (torch.export's programs).  Eager calls and torch.compile go through _FlashAttention, which calls the
+# op with gradients off, so this formula is not on their path.
+flash_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
 # The inputs autograd differentiates; the other tensors and the statics travel packed in two
 # tuples, because Function.apply's cost grows with its argument count (~16 us of host time for
 # the 30 flat arguments, measured on CPU).
