@@ -48,11 +48,23 @@ def _selected(call: _SelectedCall, query, key, value, block_indices, block_count
     return _selected_forward(call, query, key, value, block_indices, block_counts, cu_seqlens)[0]
 
 
+def inverted_index(selection_keys, buckets: int):
+    """As the torch front end's (dualattn.torch_api.nsa.inverted_index): int32 throughout, since JAX
+    has no int64 without x64 (plan.check_index_range bounds the keys)."""
+    flat = selection_keys.reshape(-1)
+    keys, order = jax.lax.sort((flat, jnp.arange(flat.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
+    starts = jnp.searchsorted(keys, jnp.arange(1, buckets + 2, dtype=keys.dtype)).astype(jnp.int32)
+    return order, starts
+
+
 def _selected_backward(call: _SelectedCall, residuals, dout):
     query, key, value, out, lse, block_indices, block_counts, cu_seqlens = residuals
     arrays = dict(query=query, key=key, value=value, out=out, dout=dout.astype(out.dtype), lse=lse,
                   **_int_inputs(block_indices, block_counts, cu_seqlens))
-    grads = _launch.run(nsa_plan.plan_backward(call.shapes, call.softmax_scale, call.block_count), arrays)
+    plan = nsa_plan.plan_backward(call.shapes, call.softmax_scale, call.block_count)
+    grads = _launch.run(plan.dq, arrays)
+    order, starts = inverted_index(grads["selection_keys"], plan.buckets)
+    grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"], entry_order=order, bucket_starts=starts)))
     return (grads["dq"], grads["dk"].astype(key.dtype), grads["dv"].astype(value.dtype), None, None, None)
 
 

@@ -32,6 +32,16 @@ def _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
                 cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
 
 
+def inverted_index(selection_keys: Tensor, buckets: int):
+    """(entry_order, bucket_starts), both int32, of the key-major dK / dV pass (kernels/nsa/plan.py):
+    the selection entries sorted by bucket key, stably (in token order within a bucket), and where
+    each of the `buckets` lists starts (key 0, entries that do not count, sorts first)."""
+    keys, order = torch.sort(selection_keys.flatten(), stable=True)
+    starts = torch.searchsorted(keys, torch.arange(1, buckets + 2, dtype=keys.dtype, device=keys.device),
+                                out_int32=True)
+    return order.to(torch.int32), starts
+
+
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, shapes, scale, count):
@@ -47,7 +57,11 @@ class _SelectedAttention(torch.autograd.Function):
         q, k, v, out, lse, idx, counts, cu = ctx.saved_tensors
         arrays = dict(query=q, key=k, value=v, out=out, dout=_cpu_upcast(dout.contiguous()).to(out.dtype), lse=lse,
                       block_indices=idx, block_counts=counts, cu_seqlens=cu)
-        grads = _launch.run(nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count), arrays)
+        plan = nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count)
+        grads = _launch.run(plan.dq, arrays)
+        order, starts = inverted_index(grads["selection_keys"], plan.buckets)
+        grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"], entry_order=order,
+                                                 bucket_starts=starts)))
         dtype = ctx.dtype
         return (grads["dq"].to(dtype), grads["dk"].to(dtype), grads["dv"].to(dtype), None, None, None, None, None,
                 None)

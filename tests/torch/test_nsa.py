@@ -80,6 +80,53 @@ def test_selected_branch_varlen(torch_gen):
     check_selected(q, k, v, idx, counts, 16, FP32_TOL, cu_seqlens=cu)
 
 
+def test_selected_branch_backward_is_bitwise_reproducible(torch_gen):
+    """Every dK / dV row comes from one program over a stably sorted list: two runs, the same bits."""
+    q, k, v = qkv(torch_gen, 2, 96, 4, 2, 16)
+    idx, counts = random_selection(torch_gen, 2, 96, 2, 4, 16)
+    out = apply_native_sparse_attention(q, k, v, idx, counts, 16)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout)
+    again = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, counts, 16), (q, k, v), dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_selected_branch_block_of_many_tokens_and_of_none(torch_gen):
+    """Block 0 is named (twice) by all 128 tokens, more than one step of the key-major dK / dV
+    pass; block 2 by none, so its keys get exactly zero gradients."""
+    group, seqlen, block_size = 2, 128, 16
+    q, k, v = qkv(torch_gen, 1, seqlen, group, 1, 16)
+    assert seqlen > nsa_plan.dkv_tiles(nsa_plan.NsaShapes(1, seqlen, group, 1, 16, 16, 3, block_size, "float32",
+                                                          False)).tokens
+    own = torch.arange(seqlen, dtype=torch.int32) // block_size
+    idx = torch.stack([torch.zeros_like(own), torch.where(own == 2, 1, own), torch.zeros_like(own)], -1)
+    idx = idx[None, :, None, :].contiguous()
+    check_selected(q, k, v, idx, 3, block_size, FP32_TOL)
+    out = apply_native_sparse_attention(q, k, v, idx, 3, block_size)
+    _, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for grad in (dk, dv):
+        assert torch.count_nonzero(grad[:, 2 * block_size:3 * block_size]) == 0
+        assert torch.count_nonzero(grad[:, :block_size]) == grad[:, :block_size].numel()
+
+
+def test_selected_branch_varlen_rows_outside_every_sequence(torch_gen):
+    """Packed rows after the last sequence select nothing: zero gradients there, the rest as the
+    reference of the sequences alone."""
+    cu = torch.tensor([0, 21, 60], dtype=torch.int32)
+    q, k, v = qkv(torch_gen, 1, 72, 4, 2, 16)
+    idx, counts = random_selection(torch_gen, 1, 72, 2, 3, 16)
+    out = apply_native_sparse_attention(q, k, v, idx, counts, 16, cu_seqlens=cu)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach()[:, :60].double().requires_grad_() for x in (q, k, v)]
+    ref = reference_selected(*leaves, idx[:, :60], counts[:, :60], 16, None, cu)
+    assert_close_rel(out[:, :60], ref, FP32_TOL, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, leaves, dout[:, :60].double())):
+        assert_close_rel(g[:, :60], r, FP32_TOL, name)
+        assert torch.count_nonzero(g[:, 60:]) == 0, name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_selected_branch_half(torch_gen, dtype):
     q, k, v = qkv(torch_gen, 1, 64, 2, 1, 32, dtype=dtype)

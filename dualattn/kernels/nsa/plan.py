@@ -12,13 +12,33 @@ consecutive tokens, and it walks the union of those tokens' selected key blocks,
   heavily in trained models, so the union is close to S blocks; with no overlap at all the
   program does exactly the work that padding would have done, never more.
 
-Backward dK / dV: atomics.  A program adds each visited block's dK, dV tile (fp32) to zeroed
-buffers; dQ is finished in registers in the same pass (one read of Q, dO, O, K, V per visit).
-The deterministic alternative, a key-major pass, needs the inverse of the selection (for every
-key block, the tokens that selected it: a sort of B * T * Hkv * S entries per call) and is
-badly load-balanced (block 0 and the early blocks are selected by almost every token, a token's
-own block by few).  Atomics need neither; the price is a summation order that varies from run to
-run in the last bits of dK / dV.
+Backward: two passes, no atomics (BackwardPlan).
+* dQ: the forward's programs and loop (query-major), dQ finished in registers.  It also writes
+  delta = rowsum(O * dO) and, per selection entry, its bucket (KV group, key block) + 1, or 0 for
+  an entry that does not count (selection_tile's rule).
+* The inverted index, built by the front ends between the passes (inverted_index in each): a
+  stable sort of those int32 keys, the entries taken in block_indices' (b, t, h, slot) order.
+  Within a bucket (fixed b, h) the entries then come in increasing token order, a duplicate
+  entry next to its twin (the kernel drops an entry equal to the previous one); a search of the
+  sorted keys gives where each bucket starts.  One sort of B * T * Hkv * S int32 per call.
+* dK / dV: key-major, one program per (KV group, key block) (per BLOCK_N keys of it: a second
+  grid axis when the block is larger), its K, V and fp32 dK, dV in registers, over the block's
+  list TOKENS_KV tokens (all heads of each) at a time.  Each dK / dV row is written once, in the
+  inputs' dtype.
+
+Why: the single pass that added every visited block's [BLOCK_N, D] dK, dV tile to fp32 buffers
+with atomics spent most of the backward in those atomics (H200, bf16, D = 128, Hkv = 4, group 16,
+T = 8k, 16 blocks of 64: selected branch fwd 6.15 ms, fwd + bwd 40.8 ms), and its summation order
+changed from run to run.  Now the backward is bitwise reproducible: the sort is stable, each list
+is walked in one fixed order, and every gradient element is written by one program.
+
+Load imbalance: early blocks are selected by many tokens (block 0 by nearly all of them, a
+token's own block by the few tokens inside it), so dK / dV programs differ in length by up to the
+sequence length over the block size.  The key block is the grid's second axis, so the programs
+are launched block 0 first (all KV groups' block 0, then block 1, ...): the longest lists start
+first and the short ones fill in behind them.  The longest still bounds the pass from below
+(about T / block_size times the mean list): splitting long lists over several programs would need
+a second, fixed-order reduction of their partial dK, dV.
 """
 from __future__ import annotations
 
@@ -28,8 +48,13 @@ from typing import Optional, Tuple
 from ..launch import Launch, Output, cdiv, next_pow2, row_major_strides
 
 TENSOR_CORE_ROWS = 16
+# Rows of a dK / dV step: TOKENS_KV tokens * GROUP_PAD heads.  32: at 64 rows (bf16, D = 128, 64 keys,
+# 8 warps) ptxas spills (255 registers); at 32 it needs 215-239 and no stack (sm_90, cuobjdump).
+DKV_ROWS = 32
 FWD_INPUTS = ("query", "key", "value", "block_indices", "block_counts", "cu_seqlens")
 BWD_INPUTS = ("query", "key", "value", "out", "dout", "lse", "block_indices", "block_counts", "cu_seqlens")
+DKV_INPUTS = ("query", "key", "value", "dout", "lse", "delta", "entry_order", "bucket_starts", "cu_seqlens")
+INT32_MAX = 2 ** 31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +117,11 @@ def scan_blocks(shapes: NsaShapes, t: NsaTiles) -> bool:
     return cdiv(shapes.seqlen, shapes.block_size) <= t.tokens * shapes.num_slots
 
 
+STRIDE_NAMES = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+                "stride_vs", "stride_vh", "stride_ib", "stride_is", "stride_ih", "stride_cb", "stride_cs", "stride_ch",
+                "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh")
+
+
 def _strides(shapes: NsaShapes):
     rows = shapes.total if shapes.varlen else shapes.seqlen
     batch = 1 if shapes.varlen else shapes.batch
@@ -102,16 +132,39 @@ def _strides(shapes: NsaShapes):
     cnt = row_major_strides((batch, rows, shapes.heads_kv)) if shapes.per_token_counts else (0, 0, 0)
     o = row_major_strides((batch, rows, shapes.heads_q, shapes.head_dim_v))[:3]
     lse = row_major_strides((batch, rows, shapes.heads_q))
-    return q + k + v + idx + cnt + o + lse, (batch, rows)
+    return tuple(zip(STRIDE_NAMES, q + k + v + idx + cnt + o + lse)), (batch, rows)
+
+
+# The dK / dV kernel's: no selection (its lists replace it), so no strides of the indices or counts.
+DKV_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "qkvol") + ("seqlen", "total", "num_heads_kv",
+                                                                                   "sm_scale")
+DKV_CONSTEXPRS = ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "GROUP", "GROUP_PAD", "TOKENS", "NUM_SLOTS",
+                  "BLOCK_SIZE", "BLOCK_N", "IS_VARLEN", "DOT_PRECISION", "STRIDES_ALIGNED")
+
+
+def kv_groups(shapes: NsaShapes) -> int:
+    """Programs' KV groups: batch (varlen: sequences) * Hkv."""
+    return (shapes.sequences if shapes.varlen else shapes.batch) * shapes.heads_kv
+
+
+def num_buckets(shapes: NsaShapes) -> int:
+    """Lists of the inverted index: one per (KV group, key block)."""
+    return kv_groups(shapes) * cdiv(shapes.seqlen, shapes.block_size)
+
+
+def check_index_range(shapes: NsaShapes) -> None:
+    """The backward's bucket keys and entry numbers are int32 (JAX has no int64 without x64)."""
+    _, (batch, rows) = _strides(shapes)
+    entries = batch * rows * shapes.heads_kv * shapes.num_slots
+    if max(entries, num_buckets(shapes) + 1) > INT32_MAX:
+        raise ValueError(f"block_indices has {entries} entries in {num_buckets(shapes)} (KV group, block) lists: the "
+                         f"backward numbers them in int32, at most {INT32_MAX}")
 
 
 def _scalars_and_constexprs(shapes: NsaShapes, softmax_scale: float, block_count: int, scan: Optional[bool]):
     t = tiles(shapes)
     strides, _ = _strides(shapes)
-    names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
-             "stride_vh", "stride_ib", "stride_is", "stride_ih", "stride_cb", "stride_cs", "stride_ch",
-             "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh")
-    scalars = tuple(zip(names, strides)) + (
+    scalars = strides + (
         ("seqlen", shapes.seqlen), ("total", shapes.total), ("num_heads_kv", shapes.heads_kv),
         ("block_count", int(block_count)), ("sm_scale", float(softmax_scale)))
     constexprs = (
@@ -122,8 +175,10 @@ def _scalars_and_constexprs(shapes: NsaShapes, softmax_scale: float, block_count
         ("BLOCK_SIZE", shapes.block_size), ("BLOCK_N", t.block_n),
         ("PER_TOKEN_COUNTS", shapes.per_token_counts), ("IS_VARLEN", shapes.varlen),
         ("DOT_PRECISION", "tf32x3" if shapes.dtype == "float32" else "tf32"),
-        ("SCAN_BLOCKS", scan_blocks(shapes, t) if scan is None else bool(scan)))
-    grid = (cdiv(shapes.seqlen, t.tokens), (shapes.sequences if shapes.varlen else shapes.batch) * shapes.heads_kv, 1)
+        ("SCAN_BLOCKS", scan_blocks(shapes, t) if scan is None else bool(scan)),
+        # Every q/k/v/o stride divisible by 16 elements: the kernels' row loads vectorise (rules.aligned).
+        ("STRIDES_ALIGNED", all(value % 16 == 0 for name, value in strides if name[len("stride_")] in "qkvo")))
+    grid = (cdiv(shapes.seqlen, t.tokens), kv_groups(shapes), 1)
     return t, scalars, constexprs, grid
 
 
@@ -146,18 +201,57 @@ def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int,
         constexprs=constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
+def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
+    """The dK / dV pass's tiles: `tokens` = TOKENS_KV tokens per step (DKV_ROWS rows), `block_n` keys
+    per program: 64, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers (fp32
+    D = 256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes)."""
+    group_pad = next_pow2(shapes.group_size)
+    big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
+    fp32 = shapes.dtype == "float32"
+    block_n = min(shapes.block_size, (16 if fp32 else 32) if big_d else 64)
+    # fp32 at D > 128: one stage (sm_80's shared memory, as tiles()).
+    stages = 1 if big_d and fp32 else 2
+    return NsaTiles(group_pad, max(1, DKV_ROWS // group_pad), block_n, 8, stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """The two backward launches.  Launchers run `dq`, build the inverted index from its
+    selection_keys (module docstring: a stable sort; entry_order int32 = the entries' flat indices in
+    sorted order, bucket_starts int32 (buckets + 1,) = where each bucket's entries start, past the
+    entries of key 0), then `dkdv` with dq's delta."""
+    dq: Launch
+    dkdv: Launch
+    buckets: int
+
+
 def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
-                  scan: Optional[bool] = None) -> Launch:
-    """Outputs dq (like query), dk and dv in fp32 (zeroed: accumulated by atomics); the front ends
-    cast dk, dv to the inputs' dtype."""
+                  scan: Optional[bool] = None) -> BackwardPlan:
+    """dq outputs dq (like query), delta (fp32, like lse) and selection_keys (int32, like
+    block_indices); dkdv takes delta, entry_order and bucket_starts and outputs dk, dv (like key,
+    value).  Varlen rows past the last sequence are written by no program: dq, dk, dv are zeroed
+    and selection_keys are 0 (no bucket) there."""
+    check_index_range(shapes)
     t, scalars, constexprs, grid = _scalars_and_constexprs(shapes, softmax_scale, block_count, scan)
     _, (batch, rows) = _strides(shapes)
-    return Launch(
-        module="nsa.selected", kernel="nsa_bwd_kernel", grid=grid, inputs=BWD_INPUTS, scalars=scalars,
+    dq = Launch(
+        module="nsa.selected", kernel="nsa_bwd_dq_kernel", grid=grid, inputs=BWD_INPUTS, scalars=scalars,
         outputs=(Output("dq", (batch, rows, shapes.heads_q, shapes.head_dim), "like:query", zeroed=shapes.varlen),
-                 Output("dk", (batch, rows, shapes.heads_kv, shapes.head_dim), "float32", zeroed=True),
-                 Output("dv", (batch, rows, shapes.heads_kv, shapes.head_dim_v), "float32", zeroed=True)),
+                 Output("delta", lse_shape(shapes), "float32"),
+                 Output("selection_keys", (batch, rows, shapes.heads_kv, shapes.num_slots), "int32",
+                        zeroed=shapes.varlen)),
         constexprs=constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
+    kv = dkv_tiles(shapes)
+    scalar, const = dict(scalars), dict(constexprs, TOKENS=kv.tokens, BLOCK_N=kv.block_n)
+    dkdv = Launch(
+        module="nsa.selected", kernel="nsa_bwd_dkv_kernel",
+        grid=(kv_groups(shapes) * (shapes.block_size // kv.block_n), cdiv(shapes.seqlen, shapes.block_size), 1),
+        inputs=DKV_INPUTS, scalars=tuple((n, scalar[n]) for n in DKV_SCALARS),
+        outputs=(Output("dk", (batch, rows, shapes.heads_kv, shapes.head_dim), "like:key", zeroed=shapes.varlen),
+                 Output("dv", (batch, rows, shapes.heads_kv, shapes.head_dim_v), "like:value", zeroed=shapes.varlen)),
+        constexprs=tuple((n, const[n]) for n in DKV_CONSTEXPRS),
+        num_warps=kv.num_warps, num_stages=kv.num_stages)
+    return BackwardPlan(dq, dkdv, num_buckets(shapes))
 
 
 IMPORTANCE_BLOCK_C = 64

@@ -17,14 +17,19 @@ it), every row masked to the tokens that selected it (plan.py picks TOKENS).  Wi
 (short sequences, where a token has fewer blocks to its left than the program has entries) it
 walks the blocks up to its last token's own block instead and skips those no row selected.
 
-Backward: one pass over the same union computes dQ in registers and adds each block's dK / dV
-contributions to fp32 buffers with atomics (see plan.py for why not a key-major pass).
+Backward, two passes and no atomics (plan.py says why):
+* dQ (nsa_bwd_dq_kernel): the forward's programs and loop, dQ finished in registers; it also
+  writes delta = rowsum(O * dO) and each selection entry's bucket (KV group, key block).
+* dK / dV (nsa_bwd_dkv_kernel): key-major, one program per (KV group, key block), over the
+  tokens that selected the block, in increasing order: the inverse of the selection, which the
+  front ends build between the passes by a stable sort of the buckets.  Each dK / dV row is
+  written once, so the gradients are the same bits on every run.
 Scores live in log2 units inside the kernels; the lse is stored in natural log, (B, T, Hq) fp32.
 """
 import triton
 import triton.language as tl
 
-from ..flash.rules import LN2, LOG2E, load_tile, reduce_max, reduce_sum, sequence_bounds
+from ..flash.rules import LN2, LOG2E, aligned, load_tile, reduce_max, reduce_sum, sequence_bounds
 
 NSA_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
             "stride_vh", "stride_ib", "stride_is", "stride_ih", "stride_cb", "stride_cs", "stride_ch",
@@ -33,25 +38,30 @@ NSA_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "st
 
 
 @triton.jit
-def program_rows(CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS: tl.constexpr, GROUP: tl.constexpr,
-                 GROUP_PAD: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(batch index in memory, KV head, sequence start, length, first token, row tokens, row heads,
-    row valid) of this program.  Row tokens are positions inside the sequence; heads are query heads."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+def kv_group(pid_bh, CU_SEQLENS, seqlen, total, num_heads_kv, IS_VARLEN: tl.constexpr):
+    """(batch index in memory, KV head, sequence start, length) of KV group `pid_bh` = batch (varlen:
+    sequence) * Hkv + KV head."""
     b = pid_bh // num_heads_kv
     h_kv = pid_bh % num_heads_kv
     start, _, seq_len, _ = sequence_bounds(b, CU_SEQLENS, CU_SEQLENS, seqlen, seqlen, total, total, IS_VARLEN)
     if IS_VARLEN:
         b = 0
-    t0 = pid_t * TOKENS
+    # (tl.cast: without varlen, b and start are constants here.)
+    return tl.cast(b, tl.int64), h_kv, tl.cast(start, tl.int64), seq_len
+
+
+@triton.jit
+def program_rows(CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS: tl.constexpr, GROUP: tl.constexpr,
+                 GROUP_PAD: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(batch index in memory, KV head, sequence start, length, first token, row tokens, row heads,
+    row valid) of this program.  Row tokens are positions inside the sequence; heads are query heads."""
+    b, h_kv, start, seq_len = kv_group(tl.program_id(1), CU_SEQLENS, seqlen, total, num_heads_kv, IS_VARLEN)
+    t0 = tl.program_id(0) * TOKENS
     offs_r = tl.arange(0, TOKENS * GROUP_PAD)
     t_rows = t0 + offs_r // GROUP_PAD
     g_rows = offs_r % GROUP_PAD
     row_ok = (g_rows < GROUP) & (t_rows < seq_len)
-    # (tl.cast: without varlen, b and start are constants here.)
-    return (tl.cast(b, tl.int64), h_kv, tl.cast(start, tl.int64), seq_len, t0, t_rows, h_kv * GROUP + g_rows,
-            row_ok)
+    return b, h_kv, start, seq_len, t0, t_rows, h_kv * GROUP + g_rows, row_ok
 
 
 @triton.jit
@@ -149,9 +159,13 @@ def nsa_fwd_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_TOKEN_COUNTS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SCAN_BLOCKS: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
 ):
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
     b, h_kv, start, seq_len, t0, t_rows, h_rows, row_ok = program_rows(
         CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS, GROUP, GROUP_PAD, IS_VARLEN)
     if t0 < seq_len:
@@ -199,27 +213,71 @@ def nsa_fwd_kernel(
         o_offs, o_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_ob, stride_os, stride_oh, HEAD_DIM_V,
                                     BLOCK_DV)
         tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=o_mask)
-        tl.store(LSE + b * stride_lb + (start + t_rows) * stride_ls + h_rows * stride_lh, lse, mask=row_ok)
+        tl.store(LSE + lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh), lse, mask=row_ok)
+
+
+@triton.jit
+def lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh):
+    """Element offsets of the rows' lse (and delta, which shares its strides)."""
+    return b * stride_lb + (start + t_rows) * stride_ls + h_rows * stride_lh
+
+
+@triton.jit
+def bucket(pid_bh, block, seqlen, BLOCK_SIZE: tl.constexpr):
+    """The inverted index's list of key block `block` of KV group pid_bh (plan.num_buckets)."""
+    return pid_bh * ((seqlen + BLOCK_SIZE - 1) // BLOCK_SIZE) + block
+
+
+@triton.jit
+def probs_and_score_grads(q, k, v, do, lse2, delta, ok, qk_scale, KEY_MAJOR: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    """The probabilities p, recomputed from the lse (log2 units), and the score gradient
+    ds = p * (dO V^T - delta), both 0 where not `ok`: [rows, keys], or with KEY_MAJOR their
+    transposes [keys, rows] (`ok` shaped alike), which are the dK / dV dots' left operands as they
+    come out of the MMA (no transpose through shared memory)."""
+    if KEY_MAJOR:
+        qk = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        p = tl.where(ok, tl.exp2(qk * qk_scale - lse2[None, :]), 0.0)
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[None, :])
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.where(ok, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@triton.jit
+def log2_lse(LSE, offs, row_ok):
+    """The rows' lse in log2 units; 0 for a row without keys (every p of it is masked)."""
+    lse = tl.load(LSE + offs, mask=row_ok, other=float("-inf"))
+    return tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
 
 
 @triton.jit(do_not_specialize=NSA_INTS)
-def nsa_bwd_kernel(
+def nsa_bwd_dq_kernel(
     Q, K, V, OUT, DOUT, LSE, BLOCK_INDICES, BLOCK_COUNTS, CU_SEQLENS,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ib, stride_is, stride_ih, stride_cb, stride_cs, stride_ch,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
     seqlen, total, num_heads_kv, block_count, sm_scale,
-    DQ, DK, DV,
+    DQ, DELTA, SELECTION_KEYS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_TOKEN_COUNTS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SCAN_BLOCKS: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
 ):
-    # dQ (strides of Q) is written once per row; dK, dV are fp32 (strides of K, V) and take
-    # every program's contribution by atomic add (zeroed beforehand).  OUT and DOUT share O's
-    # strides.
+    # Query-major, over the forward's loop: dQ (Q's strides) is finished in registers.  It also
+    # writes what the key-major dK / dV pass reads: delta = rowsum(O * dO) (the lse's strides) and
+    # SELECTION_KEYS (the indices' strides), each entry's bucket KV group * blocks + block + 1, or 0
+    # for an entry that does not count.  OUT and DOUT share O's strides.
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
     b, h_kv, start, seq_len, t0, t_rows, h_rows, row_ok = program_rows(
         CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS, GROUP, GROUP_PAD, IS_VARLEN)
     if t0 < seq_len:
@@ -234,17 +292,22 @@ def nsa_bwd_kernel(
         # (dO shares O's strides: the front ends pass it contiguous.)
         do = tl.load(DOUT + o_offs, mask=o_mask, other=0.0)  # [BLOCK_M, BLOCK_DV]
         delta = reduce_sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
-        lse = tl.load(LSE + b * stride_lb + (start + t_rows) * stride_ls + h_rows * stride_lh, mask=row_ok,
-                      other=float("-inf"))
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+        l_offs = lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh)
+        tl.store(DELTA + l_offs, delta, mask=row_ok)
+        lse2 = log2_lse(LSE, l_offs, row_ok)
         K_HEAD = head_base(K, b, start, h_kv, stride_kb, stride_ks, stride_kh)
         V_HEAD = head_base(V, b, start, h_kv, stride_vb, stride_vs, stride_vh)
-        DK_HEAD = head_base(DK, b, start, h_kv, stride_kb, stride_ks, stride_kh)
-        DV_HEAD = head_base(DV, b, start, h_kv, stride_vb, stride_vs, stride_vh)
         IDX_HEAD = head_base(BLOCK_INDICES, b, start, h_kv, stride_ib, stride_is, stride_ih)
         COUNT_HEAD = head_base(BLOCK_COUNTS, b, start, h_kv, stride_cb, stride_cs, stride_ch)
         selected = selection_tile(IDX_HEAD, COUNT_HEAD, t_rows, seq_len, stride_is, stride_cs, block_count,
                                   NUM_SLOTS, BLOCK_SLOTS, BLOCK_SIZE, PER_TOKEN_COUNTS)
+        # One row per token (its group's first head) writes the token's bucket keys.
+        offs_s = tl.arange(0, BLOCK_SLOTS)
+        keys = tl.where(selected >= 0, bucket(tl.program_id(1), selected, seqlen, BLOCK_SIZE) + 1, 0)
+        key_rows = row_ok & (h_rows % GROUP == 0)
+        KEYS_HEAD = head_base(SELECTION_KEYS, b, start, h_kv, stride_ib, stride_is, stride_ih)
+        tl.store(KEYS_HEAD + t_rows[:, None] * stride_is + offs_s[None, :], keys,
+                 mask=key_rows[:, None] & (offs_s[None, :] < NUM_SLOTS))
         qk_scale = sm_scale * LOG2E
         dq = tl.full([TOKENS * GROUP_PAD, BLOCK_D], 0.0, tl.float32)
         for step in tl.range(0, selection_steps(t0, seq_len, TOKENS, NUM_SLOTS, BLOCK_SIZE, SCAN_BLOCKS)):
@@ -254,22 +317,105 @@ def nsa_bwd_kernel(
             if visit:
                 for sub in tl.range(0, BLOCK_SIZE, BLOCK_N):
                     offs_n = block * BLOCK_SIZE + sub + tl.arange(0, BLOCK_N)
-                    k_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
-                    v_mask = (offs_n[:, None] < seq_len) & (offs_dv[None, :] < HEAD_DIM_V)
                     k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_len, offs_d,
                                   HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
                     v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seq_len, offs_dv,
                                   HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
-                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
                     ok = row_selected[:, None] & (offs_n[None, :] <= t_rows[:, None]) & row_ok[:, None]
-                    p = tl.where(ok, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
-                    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-                    ds = p * (dp - delta[:, None])
+                    p, ds = probs_and_score_grads(q, k, v, do, lse2, delta, ok, qk_scale, False, DOT_PRECISION)
                     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-                    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION) * sm_scale
-                    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-                    tl.atomic_add(DK_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], dk, mask=k_mask,
-                                  sem="relaxed")
-                    tl.atomic_add(DV_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], dv, mask=v_mask,
-                                  sem="relaxed")
         tl.store(DQ + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+DKV_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+            "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh", "seqlen",
+            "total", "num_heads_kv"]
+
+
+@triton.jit
+def listed_tokens(ENTRY_ORDER, e, listed, entries_per_row, rows_in_memory, start):
+    """Tokens (positions in their sequence) of inverted-index entries e: an entry is the flat index
+    of a selection entry (batch, row, KV head, slot) in block_indices."""
+    entry = tl.load(ENTRY_ORDER + e, mask=listed, other=0)
+    # (int32: row numbers are below the int32 entry numbers, plan.check_index_range.)
+    return (entry // entries_per_row) % rows_in_memory - start.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=DKV_INTS)
+def nsa_bwd_dkv_kernel(
+    Q, K, V, DOUT, LSE, DELTA, ENTRY_ORDER, BUCKET_STARTS, CU_SEQLENS,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+    seqlen, total, num_heads_kv, sm_scale,
+    DK, DV,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
+):
+    # Key-major dK / dV.  Grid (KV groups * BLOCK_SIZE // BLOCK_N, key blocks): a program owns
+    # BLOCK_N keys of block c of one KV group, in registers with their fp32 dK, dV, and walks the
+    # tokens that selected c (ENTRY_ORDER[BUCKET_STARTS[bucket]:BUCKET_STARTS[bucket + 1]], in
+    # increasing token order) TOKENS at a time, all GROUP heads of each as rows:
+    #
+    #     rows  e0:h0 .. e0:hG-1 [pad] | e1:h0 .. | ...      (e = list entry, TOKENS * GROUP_PAD rows)
+    #
+    # It writes its dK, dV rows once, in their dtype (DK, DV have K's, V's strides; DOUT O's,
+    # DELTA the lse's).  Block 0 is on the slowest grid axis's first index: the blocks most
+    # tokens select start first.
+    tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    pid_bh = tl.program_id(0) // SUBS
+    block = tl.program_id(1)
+    b, h_kv, start, seq_len = kv_group(pid_bh, CU_SEQLENS, seqlen, total, num_heads_kv, IS_VARLEN)
+    offs_n = block * BLOCK_SIZE + (tl.program_id(0) % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if block * BLOCK_SIZE + (tl.program_id(0) % SUBS) * BLOCK_N < seq_len:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        K_HEAD = head_base(K, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+        V_HEAD = head_base(V, b, start, h_kv, stride_vb, stride_vs, stride_vh)
+        k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_len, offs_d, HEAD_DIM, True,
+                      BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seq_len, offs_dv, HEAD_DIM_V,
+                      True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
+        dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+        dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
+        lo = tl.load(BUCKET_STARTS + bucket(pid_bh, block, seqlen, BLOCK_SIZE))
+        hi = tl.load(BUCKET_STARTS + bucket(pid_bh, block, seqlen, BLOCK_SIZE) + 1)
+        offs_r = tl.arange(0, TOKENS * GROUP_PAD)
+        g_rows = offs_r % GROUP_PAD
+        h_rows = h_kv * GROUP + g_rows
+        entries_per_row = num_heads_kv * NUM_SLOTS
+        rows_in_memory = total if IS_VARLEN else seqlen
+        qk_scale = sm_scale * LOG2E
+        for first in tl.range(lo, hi, TOKENS):
+            e = first + offs_r // GROUP_PAD
+            listed = e < hi
+            t_rows = listed_tokens(ENTRY_ORDER, e, listed, entries_per_row, rows_in_memory, start)
+            # A token that names the block in two slots is listed twice, side by side: count it once.
+            t_prev = listed_tokens(ENTRY_ORDER, e - 1, listed & (e > lo), entries_per_row, rows_in_memory, start)
+            row_ok = listed & (g_rows < GROUP) & ((e == lo) | (t_prev != t_rows))
+            q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                                        BLOCK_D)
+            q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [TOKENS * GROUP_PAD, BLOCK_D]
+            do_offs, do_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_ob, stride_os, stride_oh,
+                                          HEAD_DIM_V, BLOCK_DV)
+            do = tl.load(DOUT + do_offs, mask=do_mask, other=0.0)  # [TOKENS * GROUP_PAD, BLOCK_DV]
+            l_offs = lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh)
+            lse2 = log2_lse(LSE, l_offs, row_ok)
+            delta = tl.load(DELTA + l_offs, mask=row_ok, other=0.0)
+            ok = row_ok[None, :] & (offs_n[:, None] <= t_rows[None, :])  # [BLOCK_N, TOKENS * GROUP_PAD]
+            p_t, ds_t = probs_and_score_grads(q, k, v, do, lse2, delta, ok, qk_scale, True, DOT_PRECISION)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        key_rows = (offs_n < seq_len)[:, None]
+        DK_HEAD = head_base(DK, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+        DV_HEAD = head_base(DV, b, start, h_kv, stride_vb, stride_vs, stride_vh)
+        tl.store(DK_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                 mask=key_rows & (offs_d[None, :] < HEAD_DIM))
+        tl.store(DV_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+                 mask=key_rows & (offs_dv[None, :] < HEAD_DIM_V))
