@@ -85,9 +85,15 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
               + (f"  {note}" if note else ""), flush=True)
 
     nsa = lambda: dt.native_sparse_attention(q, k, v, *gates, **opts)  # noqa: E731
+    # fla's parallel_nsa takes its sliding branch from the flash-attn package: without it, NSA is
+    # compared with the sliding branch off on both sides.
+    no_window = dict(opts, window_size=0)
+    nsa_nw = lambda: dt.native_sparse_attention(q, k, v, gates[0], gates[1], None, **no_window)  # noqa: E731
     selected = lambda: dt.apply_native_sparse_attention(q, k, v, idx, count, block_size)  # noqa: E731
     dense = lambda: dt.flash_attention(q, k, v, causal=True)  # noqa: E731
-    for system, fn, inputs in (("dualattn-nsa", nsa, (q, k, v, *gates)), ("dualattn-nsa-selected", selected, (q, k, v)),
+    for system, fn, inputs in (("dualattn-nsa", nsa, (q, k, v, *gates)),
+                               ("dualattn-nsa-no-window", nsa_nw, (q, k, v, gates[0], gates[1])),
+                               ("dualattn-nsa-selected", selected, (q, k, v)),
                                ("dualattn-flash-dense-causal", dense, (q, k, v))):
         with torch.no_grad():
             record(system, "fwd", fn)
@@ -95,9 +101,12 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
     if callable(fla) and device == "cuda":
         kw = dict(block_size=block_size, window_size=window, scale=head_dim ** -0.5)
         fla_nsa = lambda: fla(q, k, v, gates[0], gates[1], gates[2], block_counts=count, **kw)  # noqa: E731
+        fla_nw = lambda: fla(q, k, v, gates[0], gates[1], None, block_counts=count,  # noqa: E731
+                             **dict(kw, window_size=0))
         fla_sel = lambda: fla(q, k, v, None, gates[1], None, block_indices=idx.long(), block_counts=count,  # noqa: E731
                               block_size=block_size, scale=head_dim ** -0.5)
         for system, fn, inputs in (("fla-parallel_nsa", fla_nsa, (q, k, v, *gates)),
+                                   ("fla-parallel_nsa-no-window", fla_nw, (q, k, v, gates[0], gates[1])),
                                    ("fla-parallel_nsa-selected", fla_sel, (q, k, v, gates[1]))):
             with torch.no_grad():
                 record(system, "fwd", fn)

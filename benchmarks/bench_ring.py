@@ -5,6 +5,7 @@ per-GPU efficiency.
     torchrun --nproc-per-node 4 benchmarks/bench_ring.py --framework torch
     python benchmarks/bench_ring.py --framework jax                   # shard_map over all local GPUs
     python benchmarks/bench_ring.py --plot                            # efficiency vs world size, from JSON
+    torchrun --nproc-per-node 4 benchmarks/bench_ring.py --profile    # does the K/V transfer overlap compute?
     --quick: 8k tokens per GPU only (< 3 minutes on 1-4 H100s)
     --device cpu --quick: tiny shapes on CPU (gloo under torchrun / --cpu-devices N for jax), a dry run
 
@@ -14,6 +15,11 @@ work, throughput counted as attended (query, key) pairs per second (fwd 4*D flop
 non-causal, the baseline is flash with L queries against the S = W*L keys (exactly one GPU's ring
 work); causal, flash causal over S (its per-pair rate; the ring's work per GPU is S^2 / 2W pairs).
 JSON rows go to benchmarks/results/<date>_ring_<framework>_w<W>_<device>.json.
+
+--profile: a few fwd+bwd calls of the first case under the framework's profiler (torch.profiler, or
+jax.profiler's perfetto trace); from the GPU kernel intervals it reports how much of the NCCL
+(send/recv) kernel time runs while a compute kernel runs, and how much compute time there is per
+call with no transfer beside it.  Trace and summary go to <date>_ring_profile_<framework>_w<W>.*.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ def _args():
     p.add_argument("--cpu-devices", type=int, default=2, help="jax on CPU: host devices to shard over")
     p.add_argument("--out", help="JSON path (default under benchmarks/results/)")
     p.add_argument("--plot", action="store_true", help="plot efficiency vs world size from the JSON results")
+    p.add_argument("--profile", action="store_true", help="profile fwd+bwd of the first case (see above)")
     return p.parse_args()
 
 
@@ -56,6 +63,14 @@ def _tokens(args):
     if args.device == "cpu":
         return [32]
     return [8192] if args.quick else [8192, 16384, 32768]
+
+
+def _reps(args, tokens: int) -> int:
+    """Timed calls: the same on every rank (the ring's transfers pair up across ranks), fewer for
+    longer sequences (a 32k-per-GPU fwd+bwd call takes a good part of a second)."""
+    if args.device == "cpu":
+        return 3
+    return 10 if args.quick else max(6, 30 * 8192 // tokens)
 
 
 def _pairs(seq: int, causal: bool, queries: int = None) -> float:
@@ -79,7 +94,6 @@ def _rel(a, b) -> float:
 
 
 def _torch_run(args):
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -98,7 +112,7 @@ def _torch_run(args):
     shape = _shape(args)
     dtype = getattr(torch, shape["dtype"])
 
-    def timeit(fn):
+    def timeit(fn, reps):
         if args.device == "cuda":
             # A fixed number of calls on every rank: the ring's P2P transfers pair up across ranks, so
             # a per-rank repeat count (do_bench estimates one from its own warm-up) deadlocks.
@@ -106,7 +120,6 @@ def _torch_run(args):
                 fn()
             torch.cuda.synchronize()
             dist.barrier()
-            reps = 10 if args.quick else 30
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
@@ -119,6 +132,8 @@ def _torch_run(args):
         fn()
         return time.perf_counter() - t0
 
+    if args.profile:
+        return _torch_profile(args, rank, world, device, dtype, shape)
     rows = []
     for tokens in _tokens(args):
         seq = tokens * world
@@ -153,7 +168,7 @@ def _torch_run(args):
                         for n, a, b in zip(("dq", "dk", "dv"), got, want):
                             errors[n] = _rel(a.float().cpu(), b[:, mine].float().cpu())
                     del full, ref
-                t_ring = timeit(ring)
+                t_ring = timeit(ring, _reps(args, tokens))
                 # baseline on one GPU at the same per-GPU work
                 if opts["causal"]:
                     base = [x.clone().requires_grad_(mode != "fwd") for x in (q, k, v)]
@@ -168,7 +183,7 @@ def _torch_run(args):
                     if mode != "fwd":
                         torch.autograd.grad(out, base, base_dout)
 
-                t_flash = timeit(flash)
+                t_flash = timeit(flash, _reps(args, tokens))
                 del base
                 ring_pairs = _pairs(seq, opts["causal"]) / world
                 rate_ring = _flops(ring_pairs, shape["head_dim"], shape["heads_q"], mode) / t_ring
@@ -217,9 +232,8 @@ def _jax_run(args):
     dtype = jnp.dtype(shape["dtype"])
     backend = "triton"
     seq_spec = P(None, "sp")
-    reps = 3 if args.device == "cpu" else (10 if args.quick else 30)
 
-    def timeit(fn, *a):
+    def timeit(fn, reps, *a):
         jax.block_until_ready(fn(*a))   # compile, warm up
         t0 = time.perf_counter()
         for _ in range(reps):            # back to back, one wait
@@ -227,6 +241,8 @@ def _jax_run(args):
         jax.block_until_ready(res)
         return (time.perf_counter() - t0) / reps
 
+    if args.profile:
+        return _jax_profile(args, mesh, world, dtype, shape)
     rows = []
     for tokens in _tokens(args):
         seq = tokens * world
@@ -269,8 +285,8 @@ def _jax_run(args):
                     want = flat(ref_fn(*((q, k, v) if mode == "fwd" else (q, k, v, dout))))
                     for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
                         errors[n] = _rel(np.asarray(a.astype(jnp.float32)), np.asarray(b[:, perm].astype(jnp.float32)))
-                t_ring = timeit(ring_fn, *ring_in)
-                t_flash = timeit(flash_fn, *flash_in)
+                t_ring = timeit(ring_fn, _reps(args, tokens), *ring_in)
+                t_flash = timeit(flash_fn, _reps(args, tokens), *flash_in)
                 ring_pairs = _pairs(seq, opts["causal"]) / world
                 rate_ring = _flops(ring_pairs, shape["head_dim"], shape["heads_q"], mode) / t_ring
                 rate_flash = _flops(base_pairs, shape["head_dim"], shape["heads_q"], mode) / t_flash
@@ -281,6 +297,174 @@ def _jax_run(args):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     _write(args, rows, world, devices[0].device_kind, dict(jax=jax.__version__))
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def _merged(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs, ys) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap_summary(kernels, calls: int) -> dict:
+    """kernels: (name, start_us, end_us) of one GPU.  NCCL kernels are the transfers, the rest compute.
+    A send/recv kernel's time includes waiting for its peer, so `transfer_overlapped` says whether the
+    transfers run beside compute; `compute_idle_per_call_us` is what the ring loses on this GPU."""
+    comm = _merged([(a, b) for n, a, b in kernels if "nccl" in n.lower()])
+    comp = _merged([(a, b) for n, a, b in kernels if "nccl" not in n.lower()])
+    if not comp:
+        return dict(kernels=len(kernels))
+    wall = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
+    both = _intersection(comm, comp)
+    return dict(kernels=len(kernels), calls=calls, wall_per_call_us=wall / calls,
+                compute_busy_per_call_us=_length(comp) / calls, transfer_busy_per_call_us=_length(comm) / calls,
+                transfer_overlapped=both / _length(comm) if comm else None,
+                transfer_alone_per_call_us=(_length(comm) - both) / calls,
+                compute_idle_per_call_us=(wall - _length(comp)) / calls)
+
+
+def _profile_path(args, world, ext):
+    if args.out:
+        return os.path.splitext(args.out)[0] + "." + ext
+    date = datetime.date.today().isoformat()
+    return os.path.join(RESULTS, f"{date}_ring_profile_{args.framework}_w{world}.{ext}")
+
+
+def _write_profile(args, world, device_name, tokens, case, per_gpu):
+    path = _profile_path(args, world, "json")
+    with open(path, "w") as f:
+        json.dump(dict(benchmark="ring-profile", date=datetime.date.today().isoformat(), device=device_name,
+                       world=world, framework=args.framework, tokens_per_gpu=tokens, case=case, mode="fwd+bwd",
+                       shape=_shape(args), per_gpu=per_gpu), f, indent=1)
+    print(json.dumps(per_gpu, indent=1))
+    print("wrote", path)
+
+
+PROFILE_CALLS = 5
+
+
+def _torch_profile(args, rank, world, device, dtype, shape):
+    import gzip
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from dualattn.torch_api import ring_attention
+
+    tokens, case = _tokens(args)[0], args.cases[0]
+    opts = CASES[case]
+    g = torch.Generator().manual_seed(rank)
+    mk = lambda h: torch.randn(1, tokens, h, shape["head_dim"], generator=g).to(device, dtype)
+    leaves = [x.requires_grad_() for x in (mk(shape["heads_q"]), mk(shape["heads_kv"]), mk(shape["heads_kv"]))]
+    dl = mk(shape["heads_q"])
+
+    def ring():
+        out = ring_attention(*leaves, causal=opts["causal"], layout=opts["layout"])
+        torch.autograd.grad(out, leaves, dl)
+
+    for _ in range(3):
+        ring()
+    torch.cuda.synchronize()
+    dist.barrier()
+    # Two unrecorded calls first: the profiler's own start-up differs between ranks and would show
+    # as peers waiting in their send/recv kernels.
+    with profile(activities=[ProfilerActivity.CUDA],
+                 schedule=torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_CALLS)) as prof:
+        for _ in range(PROFILE_CALLS + 2):
+            ring()
+            prof.step()
+        torch.cuda.synchronize()
+    trace = f"/tmp/ring_profile_rank{rank}.json"
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    summary = overlap_summary(kernels, PROFILE_CALLS)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, summary)
+    if rank == 0:
+        with open(trace, "rb") as src, gzip.open(_profile_path(args, world, "trace.json.gz"), "wb") as dst:
+            dst.write(src.read())
+        _write_profile(args, world, torch.cuda.get_device_name(device), tokens, case,
+                       {f"rank{r}": s for r, s in enumerate(gathered)})
+    dist.destroy_process_group()
+
+
+def _jax_profile(args, mesh, world, dtype, shape):
+    import gzip
+    import shutil
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    import dualattn.jax_api as dj
+    from jax.sharding import PartitionSpec as P
+
+    tokens, case = _tokens(args)[0], args.cases[0]
+    opts = CASES[case]
+    rng = np.random.default_rng(0)
+    seq = tokens * world
+    mk = lambda h: jax.numpy.asarray(rng.standard_normal((1, seq, h, shape["head_dim"]), np.float32), dtype)
+    q, k, v, dout = mk(shape["heads_q"]), mk(shape["heads_kv"]), mk(shape["heads_kv"]), mk(shape["heads_q"])
+    ring = jax.shard_map(lambda a, b, c: dj.ring_attention(a, b, c, axis_name="sp", causal=opts["causal"],
+                                                           layout=opts["layout"], backend="triton"),
+                         mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+
+    @jax.jit
+    def step(a, b, c, d):
+        out, pull = jax.vjp(ring, a, b, c)
+        return out, pull(d)
+
+    for _ in range(3):
+        jax.block_until_ready(step(q, k, v, dout))
+    logdir = tempfile.mkdtemp()
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        for _ in range(PROFILE_CALLS):
+            res = step(q, k, v, dout)
+        jax.block_until_ready(res)
+    traces = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    shutil.copy(traces[0], _profile_path(args, world, "trace.json.gz"))
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    per_gpu = {}
+    for pid, pname in processes.items():
+        if "GPU" not in pname:
+            continue
+        # Only the stream lines: the device's "XLA Ops"/"XLA Modules" lines span whole ops and modules.
+        kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e
+                   and "Stream" in threads.get((pid, e.get("tid")), "")]
+        per_gpu[pname] = overlap_summary(kernels, PROFILE_CALLS)
+    _write_profile(args, world, jax.devices()[0].device_kind, tokens, case, per_gpu)
 
 
 # ----------------------------------------------------------------------------- output
@@ -306,23 +490,30 @@ def _plot(args):
     for path in sorted(glob.glob(os.path.join(RESULTS, "*_ring_*.json"))):
         with open(path) as f:
             data = json.load(f)
-        rows += [dict(r, device=data["device"]) for r in data["rows"]]
+        if data.get("benchmark") == "ring" and not data.get("xla_flags"):   # not profiles or flag trials
+            rows += [dict(r, device=data["device"]) for r in data["rows"]]
     if not rows:
         print("no ring results under", RESULTS)
         return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = sorted({(r["framework"], r["case"], r["mode"], r["tokens_per_gpu"]) for r in rows})
-    for key in series:
-        pts = sorted((r["world"], r["efficiency"]) for r in rows
-                     if (r["framework"], r["case"], r["mode"], r["tokens_per_gpu"]) == key)
-        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]} {key[2]} {key[3] // 1024}k/GPU")
-    ax.set_xlabel("GPUs (world size)")
-    ax.set_ylabel("per-GPU efficiency vs single-GPU flash")
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.legend(fontsize=6)
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        series = sorted({(r["framework"], r["case"], r["tokens_per_gpu"]) for r in rows if r["mode"] == mode})
+        shapes = sorted({(case, tokens) for _, case, tokens in series})
+        for fw, case, tokens in series:
+            pts = sorted((r["world"], r["efficiency"]) for r in rows
+                         if (r["framework"], r["case"], r["tokens_per_gpu"], r["mode"]) == (fw, case, tokens, mode))
+            ax.plot(*zip(*pts), marker="o" if fw == "torch" else "s", ls="-" if fw == "torch" else "--",
+                    color=f"C{shapes.index((case, tokens))}", label=f"{fw} {case} {tokens // 1024}k/GPU")
+        ax.set_xticks(sorted({r["world"] for r in rows}))
+        ax.set_title(f"{mode} ({rows[0]['device']})")
+        ax.set_xlabel("GPUs (world size)")
+        ax.set_ylabel("per-GPU efficiency vs single-GPU flash")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.legend(fontsize=6)
     path = os.path.join(RESULTS, f"{datetime.date.today().isoformat()}_ring_efficiency.png")
     fig.savefig(path, dpi=150, bbox_inches="tight")
     print("wrote", path)
