@@ -65,3 +65,13 @@ def test_compile_nsa_importance(arch, dtype, group):
     compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32"), arch=arch)
     assert "mma" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= MAX_SHARED[arch]
+
+
+@pytest.mark.parametrize("num_blocks, arch", [(1024, 90), pytest.param(32768, 80, marks=pytest.mark.slow)])
+def test_compile_nsa_top_k(num_blocks, arch):
+    """The top-k kernel at T = 64k (block 64) and at its widest rows, without spilling its score row."""
+    launch = nsa_plan.plan_topk(4 * 65536, num_blocks, 16)
+    compiled = compile_check.compile_launch(launch, dict(scores="float32"), arch=arch)
+    assert f".entry {launch.kernel}(" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= MAX_SHARED[arch]
+    assert ".local" not in compiled.asm["ptx"], "the score row spills to local memory"

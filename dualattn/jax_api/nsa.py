@@ -145,6 +145,9 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
     take = min(count, n_blocks)
     if backend == "triton":
         scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale)
+        topk = nsa_plan.plan_topk(b * t * hkv, n_blocks, count)
+        if topk is not None:
+            return _launch.run(topk, dict(scores=scores))["indices"].reshape(b, t, hkv, count)
         chosen = []
         for lo in range(0, t, SELECT_CHUNK):
             ranked, order = jax.lax.top_k(scores[:, lo:lo + SELECT_CHUNK], take)

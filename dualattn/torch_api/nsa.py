@@ -160,7 +160,11 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
                                       scale)
     scores = _launch.run(launch, dict(query=_cpu_upcast(query.contiguous()), k_cmp=_cpu_upcast(k_cmp.contiguous()),
                                       lse=lse.float().contiguous()))["scores"]
-    take = min(count, scores.shape[-1])
+    n_blocks = scores.shape[-1]
+    topk = nsa_plan.plan_topk(b * t * heads_kv, n_blocks, count)
+    if topk is not None:
+        return _launch.run(topk, dict(scores=scores))["indices"].view(b, t, heads_kv, count)
+    take = min(count, n_blocks)
     out = torch.full((b, t, heads_kv, count), -1, dtype=torch.int32, device=query.device)
     for lo in range(0, t, SELECT_CHUNK):   # bounds top_k_lowest_ties' temporaries
         chunk = scores[:, lo:lo + SELECT_CHUNK]

@@ -282,3 +282,17 @@ def test_top_k_lowest_ties(torch_gen):
     got = top_k_lowest_ties(score, 6)
     for row, idx in zip(score.tolist(), got.tolist()):
         assert idx == sorted(range(12), key=lambda c: (-row[c], c))[:6]
+
+
+@pytest.mark.parametrize("rows, blocks, count", [(50, 12, 6), (7, 40, 16), (5, 3, 4)])
+def test_top_k_kernel(torch_gen, rows, blocks, count):
+    """The shared top-k kernel: many ties, +inf and -inf; by decreasing value, ties to the lower index,
+    -1 once only -inf entries are left (fewer blocks than slots included)."""
+    from dualattn.torch_api import _launch
+    score = torch.randint(0, 4, (rows, blocks), generator=torch_gen).float()
+    score[score == 0] = float("-inf")
+    score[:, blocks // 2] = float("inf")
+    got = _launch.run(nsa_plan.plan_topk(rows, blocks, count), dict(scores=score))["indices"]
+    for row, idx in zip(score.tolist(), got.tolist()):
+        want = [c for c in sorted(range(blocks), key=lambda c: (-row[c], c)) if row[c] != float("-inf")][:count]
+        assert idx == want + [-1] * (count - len(want))

@@ -13,7 +13,7 @@ program owns a KV group's heads for TOKENS tokens), so the group sum is a reduct
 import triton
 import triton.language as tl
 
-from ..flash.rules import LOG2E
+from ..flash.rules import LOG2E, reduce_max
 from .selected import group_rows, head_base, program_rows
 
 IMPORTANCE_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_lb",
@@ -58,3 +58,31 @@ def nsa_importance_kernel(
         imp = tl.where(offs_c[None, :] == own, float("inf"), tl.where(offs_c[None, :] > own, float("-inf"), imp))
         tl.store(SCORES + b * stride_sb + t_tok[:, None] * stride_ss + h_kv * stride_sh + offs_c[None, :], imp,
                  mask=(t_tok[:, None] < seq_len) & (offs_c[None, :] < num_blocks))
+
+
+@triton.jit(do_not_specialize=["rows", "num_blocks"])
+def nsa_topk_kernel(
+    SCORES, rows, num_blocks, INDICES,
+    COUNT: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_NB: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Per row of SCORES (rows, num_blocks) fp32: the indices of its COUNT largest entries, by
+    decreasing score, ties to the lower index, -1 once only -inf entries are left; INDICES
+    (rows, COUNT) int32.  The importance scores are +inf for the own block and -inf past it, so
+    the own block comes first and no block after it is chosen.  COUNT rounds of (max, lowest index
+    holding it, take it out) over a row held in registers: COUNT is small (16 in the paper) next
+    to a sort of every row."""
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_c = tl.arange(0, BLOCK_NB)
+    offs_s = tl.arange(0, BLOCK_SLOTS)
+    row_ok = offs_r < rows
+    rows64 = offs_r.to(tl.int64)
+    s = tl.load(SCORES + rows64[:, None] * num_blocks + offs_c[None, :],
+                mask=row_ok[:, None] & (offs_c[None, :] < num_blocks), other=float("-inf"))
+    chosen = tl.full([ROWS, BLOCK_SLOTS], -1, tl.int32)
+    for slot in tl.range(0, COUNT):
+        best = reduce_max(s, 1)
+        first = tl.reduce(tl.where(s == best[:, None], offs_c[None, :], BLOCK_NB), 1, tl.standard._elementwise_min)
+        chosen = tl.where(offs_s[None, :] == slot, tl.where(best == float("-inf"), -1, first)[:, None], chosen)
+        s = tl.where(offs_c[None, :] == first[:, None], float("-inf"), s)
+    tl.store(INDICES + rows64[:, None] * COUNT + offs_s[None, :], chosen,
+             mask=row_ok[:, None] & (offs_s[None, :] < COUNT))

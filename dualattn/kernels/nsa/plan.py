@@ -283,3 +283,25 @@ def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_d
                     ("BLOCK_C", IMPORTANCE_BLOCK_C),
                     ("DOT_PRECISION", "tf32x3" if dtype == "float32" else "tf32")),
         num_warps=4, num_stages=2)
+
+
+# The top-k kernel holds a whole score row in registers: up to this many blocks (T = 2M tokens at
+# block 64).  Longer rows take the front ends' framework top-k.
+TOPK_MAX_BLOCKS = 32768
+
+
+def plan_topk(rows: int, num_blocks: int, count: int) -> Optional[Launch]:
+    """The selection from the importance scores (importance.nsa_topk_kernel): input scores fp32
+    (rows, num_blocks) contiguous, output indices int32 (rows, count).  None past TOPK_MAX_BLOCKS.
+    About 4096 scores a program (32 registers a thread at 4 warps); wider rows get more warps."""
+    block_nb = max(16, next_pow2(num_blocks))
+    if block_nb > TOPK_MAX_BLOCKS:
+        return None
+    rows_per_program = max(1, 4096 // block_nb)
+    return Launch(
+        module="nsa.importance", kernel="nsa_topk_kernel", grid=(cdiv(rows, rows_per_program), 1, 1),
+        inputs=("scores",), scalars=(("rows", rows), ("num_blocks", num_blocks)),
+        outputs=(Output("indices", (rows, count), "int32"),),
+        constexprs=(("COUNT", count), ("BLOCK_SLOTS", max(2, next_pow2(count))), ("BLOCK_NB", block_nb),
+                    ("ROWS", rows_per_program)),
+        num_warps=4 if block_nb <= 4096 else (8 if block_nb <= 8192 else 16), num_stages=1)
