@@ -177,12 +177,37 @@ def default_scale(head_dim: int, softmax_scale) -> float:
     return float(softmax_scale)
 
 
-def all_blocks(batch, heads, seqlen_q, seqlen_k, block_q, block_k):
-    """Block map of the compressed branch's blocksparse_attention call: every (query, pooled key)
-    block pair; the token rule ((c+1) * block_size - 1 <= t) comes from causal positions (the key
-    position of pooled block c is its last token)."""
-    import numpy as np
-    return np.ones((1, 1, -(-seqlen_q // block_q), -(-seqlen_k // block_k)), dtype=bool)
+# The compressed branch's queries are cut into pieces that become batch rows of their own
+# (compressed_folds): enough flash dK / dV programs for the GPU, pieces of at least this many queries.
+COMPRESSED_PROGRAMS = 512
+FOLD_MIN_QUERIES = 4096
+
+
+def compressed_folds(batch: int, seqlen: int, heads_kv: int, num_cmp: int) -> int:
+    """How many pieces the compressed branch cuts its queries into.  Its keys are only T / block_size
+    pooled blocks and the flash backward runs one dK / dV program per (key tile, batch row, KV
+    head): at T = 64k, Hkv = 4 that is 64 programs walking all 64k queries each, on a GPU of 132
+    SMs.  Each piece becomes a batch row of its own (the pooled keys are copied per piece, and the
+    copies' gradients add up), which multiplies the programs; pieces of at least FOLD_MIN_QUERIES
+    queries keep those copies small."""
+    key_tiles = -(-num_cmp // 64)
+    want = -(-COMPRESSED_PROGRAMS // (key_tiles * batch * heads_kv))
+    return max(1, min(want, seqlen // FOLD_MIN_QUERIES))
+
+
+def compressed_blocks(folds: int, piece: int, block_size: int):
+    """Block-map builder of the compressed branch: (query tile, pooled-key tile) pairs where some
+    query sees some pooled block, query t seeing block c iff (c + 1) * block_size - 1 <= t (the key
+    position of a pooled block is its last token); batch row r holds queries
+    (r % folds) * piece + [0, piece).  Skips the half of the T x T / block_size rectangle that the
+    causal rule masks."""
+    def build(batch, heads, seqlen_q, seqlen_k, block_q, block_k):
+        import numpy as np
+        start = (np.arange(batch) % folds) * piece
+        last_query = start[:, None] + np.minimum((np.arange(-(-seqlen_q // block_q)) + 1) * block_q, piece) - 1
+        first_key = (np.arange(-(-seqlen_k // block_k)) * block_k + 1) * block_size - 1
+        return (first_key[None, None, :] <= last_query[:, :, None])[:, None]
+    return build
 
 
 def sequences(cu_seqlens_values: Optional[Sequence[int]], total: int) -> list:

@@ -115,11 +115,17 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str):
     if n == 0:   # no complete block: no token sees any
         return jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
-    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kv_pos = jnp.broadcast_to((jnp.arange(n, dtype=jnp.int32) + 1) * block_size - 1, (b, n))
-    out, lse = blocksparse_attention(query, k_cmp, v_cmp, mask_builder=checks.all_blocks, causal=True,
-                                     q_positions=q_pos, kv_positions=kv_pos, softmax_scale=scale, return_lse=True,
-                                     backend=backend)
+    folds = checks.compressed_folds(b, t, key.shape[2], n)   # as the torch front end's
+    piece = -(-t // folds)
+    q = jnp.pad(query, ((0, 0), (0, folds * piece - t), (0, 0), (0, 0))).reshape(b * folds, piece, *query.shape[2:])
+    fold = lambda x: jnp.broadcast_to(x[:, None], (b, folds, *x.shape[1:])).reshape(b * folds, *x.shape[1:])  # noqa: E731
+    q_pos = jnp.tile(jnp.arange(folds * piece, dtype=jnp.int32).reshape(folds, piece), (b, 1))
+    kv_pos = jnp.broadcast_to((jnp.arange(n, dtype=jnp.int32) + 1) * block_size - 1, (b * folds, n))
+    out, lse = blocksparse_attention(q, fold(k_cmp), fold(v_cmp), causal=True, q_positions=q_pos, kv_positions=kv_pos,
+                                     mask_builder=checks.compressed_blocks(folds, piece, block_size),
+                                     softmax_scale=scale, return_lse=True, backend=backend)
+    out = out.reshape(b, folds * piece, *out.shape[2:])[:, :t]
+    lse = jnp.swapaxes(lse.reshape(b, folds, -1, piece), 1, 2).reshape(b, -1, folds * piece)[:, :, :t]
     return out, lse, k_cmp
 
 

@@ -124,10 +124,18 @@ def _compressed(query, key, value, block_size: int, scale: float):
     if n == 0:   # no complete block: no token sees any
         return query.new_zeros(*query.shape[:3], value.shape[-1]), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
-    q_pos = torch.arange(t, device=query.device).expand(b, t)
-    kv_pos = ((torch.arange(n, device=query.device) + 1) * block_size - 1).expand(b, n)
-    out, lse = blocksparse_attention(query, k_cmp, v_cmp, mask_builder=checks.all_blocks, causal=True,
-                                     q_positions=q_pos, kv_positions=kv_pos, softmax_scale=scale, return_lse=True)
+    folds = checks.compressed_folds(b, t, key.shape[2], n)
+    piece = -(-t // folds)
+    # (b, t) queries -> (b * folds, piece) rows, the last padded (its extra rows' outputs are dropped)
+    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, folds * piece - t)).reshape(b * folds, piece, *query.shape[2:])
+    fold = lambda x: x[:, None].expand(b, folds, *x.shape[1:]).reshape(b * folds, *x.shape[1:])  # noqa: E731
+    q_pos = torch.arange(folds * piece, device=query.device).view(folds, piece).repeat(b, 1)
+    kv_pos = ((torch.arange(n, device=query.device) + 1) * block_size - 1).expand(b * folds, n)
+    out, lse = blocksparse_attention(q, fold(k_cmp), fold(v_cmp), causal=True, q_positions=q_pos, kv_positions=kv_pos,
+                                     mask_builder=checks.compressed_blocks(folds, piece, block_size),
+                                     softmax_scale=scale, return_lse=True)
+    out = out.reshape(b, folds * piece, *out.shape[2:])[:, :t]
+    lse = lse.reshape(b, folds, -1, piece).transpose(1, 2).reshape(b, -1, folds * piece)[:, :, :t]
     return out, lse, k_cmp
 
 

@@ -296,3 +296,13 @@ def test_top_k_kernel(torch_gen, rows, blocks, count):
     for row, idx in zip(score.tolist(), got.tolist()):
         want = [c for c in sorted(range(blocks), key=lambda c: (-row[c], c)) if row[c] != float("-inf")][:count]
         assert idx == want + [-1] * (count - len(want))
+
+
+def test_native_sparse_attention_folded_compressed_queries(torch_gen, monkeypatch):
+    """The compressed branch's queries cut into batch rows of their own (compressed_folds; here pieces
+    of 32 queries, the last one padded): same output and gradients as the reference."""
+    import dualattn.nsa as checks
+    monkeypatch.setattr(checks, "FOLD_MIN_QUERIES", 32)
+    assert checks.compressed_folds(2, 150, 1, 150 // 16) == 4
+    q, k, v = qkv(torch_gen, 2, 150, 2, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 2, 150, 2, "cs"), FP32_TOL, block_counts=3, block_size=16)
