@@ -319,6 +319,8 @@ WS_FAST = (
     Variant("ws-persistent-bf16-d128", sq=1024, sk=2048, ws=True, num_sms=7),
     Variant("ws-persistent-fp16-d64-gqa-sinks", dtype="float16", d=64, hq=4, hkv=2, sq=512, sk=4096,
             sinks=("head", 1), ws=True, num_sms=3),
+    # The soft cap is arithmetic on the scores: the Triton warp-specialised kernels take it (not Gluon).
+    Variant("ws-bf16-d128-softcap", sq=256, sk=4096, softcap=50.0, ws=True),
 )
 
 
@@ -351,6 +353,7 @@ WS_BWD = (
     Variant("ws-bwd-persistent-fp16-d128-causal-sinks", dtype="float16", sq=2048, sk=2048, causal=True,
             sinks=("head", 1), lse_grad=True, ws=True, num_sms=3),
     Variant("ws-bwd-persistent-bf16-d64-causal", d=64, sq=4096, sk=4096, causal=True, ws=True, num_sms=5),
+    Variant("ws-bwd-bf16-d128-causal-softcap", sq=2048, sk=2048, causal=True, softcap=50.0, ws=True),
 )
 
 

@@ -51,6 +51,7 @@ CPU_CASES = {
     "full": dict(b=1, sq=128, sk=4096, hq=1, hkv=1, d=64, opts={}),
     "gqa-sinks-ragged-q": dict(b=1, sq=200, sk=2048, hq=4, hkv=2, d=128, opts={}, sinks=True),
     "cross-more-queries": dict(b=1, sq=260, sk=2048, hq=1, hkv=1, d=128, opts=dict(softmax_scale=0.3)),
+    "softcap": dict(b=1, sq=128, sk=2048, hq=1, hkv=1, d=128, opts=dict(logits_soft_cap=5.0)),
 }
 @pytest.fixture
 def split_every_band(monkeypatch):
@@ -206,6 +207,8 @@ BWD_CASES = {
     "d80-sinks": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=80, opts=dict(softmax_scale=0.2), sinks=True),
                   (True, True)),
     "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
+    "d128-causal-softcap": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, opts=dict(causal=True, logits_soft_cap=5.0)),
+                            (True, True)),
     "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
     "d64-causal": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, opts=dict(causal=True)), (True, False)),
     # Head dims padded to 64 take the D=64 tiles (plan.WS_DKDV_BANDED_OR_PERSISTENT_TILES: by padded width).
@@ -354,6 +357,7 @@ GPU_CASES = {
     "d128": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts={}),
     "d64-gqa-cross": dict(b=1, sq=1000, sk=4096, hq=8, hkv=2, d=64, opts={}),
     "d96-sinks-ragged-q": dict(b=1, sq=2004, sk=4096, hq=4, hkv=4, d=96, opts={}, sinks=True),
+    "d128-softcap": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts=dict(logits_soft_cap=20.0)),
 }
 GPU_SPLIT_CASES = {
     "causal-d128": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts=dict(causal=True)),
@@ -417,6 +421,9 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
     "d128-gqa-cross-sinks": (dict(b=1, sq=2048, sk=4096, hq=8, hkv=2, d=128, opts={}, sinks=True), (False, True)),
     "d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(softmax_scale=0.05)), (True, True)),
     "causal-d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True)), (True, True)),
+    "causal-d128-softcap": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True,
+                                                                                    logits_soft_cap=20.0)),
+                            (True, True)),
     "causal-empty-rows-d128-sinks": (dict(b=1, sq=2560, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True),
                                           sinks=True), (True, True)),
     "window-d128-cross": (dict(b=1, sq=2048, sk=4096, hq=4, hkv=4, d=128, opts=dict(sliding_window=(700, 300))),

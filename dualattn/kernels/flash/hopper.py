@@ -72,16 +72,22 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
 
 
 def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """What every warp-specialised kernel needs.  Ruled out: per-element options -- bias, mask,
-    segments, soft cap, dropout, explicit positions, block-sparse lists -- and packed keys; 32-bit
-    inputs; TMA-illegal strides or widths.  Needed: at least one full query tile and
-    16-byte-aligned lse rows (lse goes through TMA too)."""
+    """What every warp-specialised kernel needs.  Ruled out: per-element options that read a tile
+    beside the scores -- bias, mask, segments, dropout, explicit positions, block-sparse lists --
+    and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
+    query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap is only
+    arithmetic on the scores, which the Triton kernels share with the portable ones (rules.logits
+    and the backward's derivative); the Gluon kernels do not have it (_gluon_specializable)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
             and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs)
-            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_SOFTCAP", "HAS_DROPOUT",
-                                           "HAS_POSITIONS")))
+            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
+
+
+def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
+    """What the Gluon kernels need: the warp-specialised kernels' conditions and no soft cap."""
+    return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["HAS_SOFTCAP"]
 
 
 def split_band(shapes: FlashShapes, constexprs) -> bool:
@@ -248,10 +254,10 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
                       constexprs, flag: Optional[str] = None) -> Optional[Tuple[int, int, int, int, int]]:
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
-    What the warp-specialised kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
-    per-element option, no block-sparse list, no packed varlen), head dims of 64 or 128 (equal for
-    K and V), no window other than causal, and lse rows 16-byte aligned for TMA (Sq % 4 == 0,
-    which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
+    What the Gluon kernels need (_gluon_specializable: 16-bit inputs, TMA-legal strides, no
+    per-element option or soft cap, no block-sparse list, no packed varlen), head dims of 64 or 128
+    (equal for K and V), no window other than causal, and lse rows 16-byte aligned for TMA
+    (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
     the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS <= Sk <=
     ONE_PASS_MAX_KEYS.  flag: DUALATTN_ONE_PASS, "0" / "1" turn it off / on whatever the keys (A/B
@@ -261,7 +267,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if flag != "1" and not ONE_PASS_MIN_KEYS <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
         return None
-    if options.window_left is not None or options.window_right not in (None, 0) or not _warp_specializable(
+    if options.window_left is not None or options.window_right not in (None, 0) or not _gluon_specializable(
             shapes, sparse, constexprs):
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
@@ -282,7 +288,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
                   flag: Optional[str] = None) -> bool:
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
-    What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
+    What the Gluon kernels need (_gluon_specializable), head dims of 64 or 128 (equal
     for K and V), no sinks and no window other than causal; descriptors over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
@@ -290,7 +296,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     if options.window_left is not None or options.window_right not in (None, 0) or shapes.num_sinks:
         return False
-    if not _warp_specializable(shapes, sparse, constexprs):
+    if not _gluon_specializable(shapes, sparse, constexprs):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
 
