@@ -134,3 +134,54 @@ def test_features_count_options():
     f = run.features(c)
     assert "varlen" in f and c["dtype"] in f
     assert np.all([isinstance(x, str) for x in f])
+
+
+@pytest.mark.parametrize("index", [1342, 365, 1305, 1963, 1820])
+def test_former_failures_replay_clean(index):
+    """Configurations of seed 20261126 that once failed: two +inf sinks with an lse cotangent (1342),
+    a +inf sink at softmax_scale 318 (365: the reference gave NaN), varlen rows in no sequence with
+    sinks on xla (1305), an empty batch with segment ids on xla (1963), and a lone key far below a
+    sink whose probability underflows (1820: out ~1e-108 in the reference, 0 in bf16)."""
+    record = run.run_one(20261126, index, "cpu")
+    assert record["ok"], record.get("traceback", record.get("error"))
+
+
+def _blocksparse_config(dtype="float32", d=160, block_q=128, block_k=64) -> dict:
+    return dict(kind="blocksparse", dtype=dtype, B=1, Sq=200, Sk=300, Hq=2, Hkv=1, D=d, Dv=d, causal=False,
+                sliding_window=None, logits_soft_cap=None, softmax_scale=None, softmax_aux=None, return_lse=True,
+                lse_cotangent=True, jax=[], layout=dict(block_q=block_q, block_k=block_k, layout_batch=1,
+                                                        layout_heads=2, builder="random", density=0.5, window=10,
+                                                        stride=1, global_n=3))
+
+
+def test_gpu_layout_check_is_the_librarys():
+    """float32 blocks of 128x64 at head dim 160 do not fit sm_90 (the library raises its ValueError
+    naming `layout`): the draw's check says so, compiling as the launchers do (no GPU needed)."""
+    from dualattn.kernels.flash import fit
+    assert not draw.layout_fits(_blocksparse_config(), arch=90, max_shared=fit.MAX_SHARED_BYTES[90])
+
+
+def test_gpu_draw_shrinks_layouts_until_they_fit(monkeypatch):
+    """Blocks halve (the larger first, block_q on a tie) down to 32, then float32 becomes bfloat16, then down to 16;
+    every blocksparse configuration drawn for cuda is one the check accepts."""
+    def fits_when(limit, dtypes=("bfloat16",)):
+        def fits(c, **_):
+            return c["layout"]["block_q"] * c["layout"]["block_k"] <= limit or c["dtype"] in dtypes
+        return fits
+
+    monkeypatch.setattr(draw, "layout_fits", fits_when(64 * 32, dtypes=()))
+    c = draw.fitted_layout(_blocksparse_config())
+    assert (c["layout"]["block_q"], c["layout"]["block_k"], c["dtype"]) == (32, 64, "float32")
+    monkeypatch.setattr(draw, "layout_fits", fits_when(16 * 16))
+    c = draw.fitted_layout(_blocksparse_config())
+    assert (c["layout"]["block_q"], c["layout"]["block_k"], c["dtype"]) == (32, 32, "bfloat16")
+    monkeypatch.setattr(draw, "layout_fits", fits_when(16 * 16, dtypes=()))
+    c = draw.fitted_layout(_blocksparse_config())
+    assert (c["layout"]["block_q"], c["layout"]["block_k"], c["dtype"]) == (16, 16, "bfloat16")
+
+    checked = []
+    monkeypatch.setattr(draw, "layout_fits", lambda c, **_: checked.append(c) or c["layout"]["block_q"] <= 64)
+    drawn = [draw.draw_config(7, i, "cuda") for i in range(60)]
+    sparse = [c for c in drawn if c["kind"] == "blocksparse"]
+    assert sparse and all(c["layout"]["block_q"] <= 64 for c in sparse)
+    assert all(c["kind"] == "blocksparse" for c in checked)

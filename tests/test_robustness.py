@@ -89,19 +89,38 @@ def test_traced_cu_seqlens_never_leave_the_buffers(rng, table, device):
         assert np.array_equal(np.isinf(np.asarray(lse_j)), ~covered.expand_as(lse).numpy())
 
 
-def test_rows_past_the_last_sequence_are_zero(rng):
-    """cu_seqlens[-1] < total is valid: the rows after it belong to no sequence."""
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_rows_past_the_last_sequence_are_zero(rng, with_sinks):
+    """cu_seqlens[-1] < total is valid: the rows after it belong to no sequence, so no softmax: output
+    0 and lse -inf even with sinks, and their lse cotangent reaches no gradient (dsinks)."""
     q, k, v = (t[0] for t in _qkv(rng, 1, 50, 50))
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
-    want, want_lse = reference_varlen(q, k, v, cu, cu)
-    outs = {"torch": dt.flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, return_lse=True)}
+    sinks = torch.tensor([0.3, -1.2]) if with_sinks else None
+    dlse = torch.from_numpy(rng.standard_normal((H, 50)).astype(np.float32))
+    extra = {} if sinks is None else {"softmax_aux": sinks}
+    want, want_lse = reference_varlen(q, k, v, cu, cu, **extra)
+    outs = {"torch": dt.flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, return_lse=True, **extra)}
+    dsinks = {}
     for backend in ("triton", "xla"):
-        outs[backend] = dj.flash_attention_varlen(*_jax(q, k, v, cu, cu), 20, 20, return_lse=True, backend=backend)
+        f = lambda q, s: dj.flash_attention_varlen(q, *_jax(k, v, cu, cu), 20, 20, return_lse=True,  # noqa: E731
+                                                   backend=backend, softmax_aux=s)
+        if sinks is None:
+            outs[backend] = f(*_jax(q), None)
+            continue
+        outs[backend], vjp = jax.vjp(f, *_jax(q, sinks))
+        dsinks[backend] = vjp((jnp.zeros(outs[backend][0].shape), jnp.asarray(dlse.numpy())))[1]
     for name, (out, lse) in outs.items():
         out, lse = np.asarray(out), np.asarray(lse)
         assert not out[30:].any(), name
         assert np.all(lse[:, 30:] == -np.inf), name
         assert_close_rel(out[:30], want[:30], JAX_TOL, name)
+        assert_close_rel(lse[:, :30], want_lse[:, :30], JAX_TOL, f"{name} lse")
+    if sinks is not None:
+        s64 = sinks.double().requires_grad_(True)
+        want_dsinks, = torch.autograd.grad(reference_varlen(q, k, v, cu, cu, softmax_aux=s64)[1],
+                                           s64, dlse[:, :30].double())
+        for name, g in dsinks.items():
+            assert_close_rel(np.asarray(g), want_dsinks, 1e-4, f"{name} dsinks")
 
 
 # ----------------------------------------------------------------------------- integer widths
@@ -171,6 +190,50 @@ def test_infinite_sinks(rng, value):
         assert np.isfinite(np.asarray(g_q)).all() and np.isfinite(np.asarray(g_s)).all(), backend
 
 
+@pytest.mark.parametrize("scale", [None, 500.0], ids=["default-scale", "scale-500"])
+def test_plus_inf_sinks_share_the_lse_cotangent(rng, scale):
+    """The +inf sinks of a head share its rows equally: with an lse cotangent dlse, each of m such
+    sinks gets sum(dlse) / m, every other input 0 (docs/spec.md, sinks).  Heads with two +inf sinks,
+    +inf beside -inf, and no infinite sink; fully masked rows (Sq > Sk, causal); a scale that puts
+    the scores far past exp's range (the reference once gave NaN there)."""
+    q, k, v = _qkv(rng, 1, 20, 12, hq=3, hkv=1)
+    inf = float("inf")
+    sinks = torch.tensor([[inf, inf, 0.3], [inf, -inf, 1.0], [0.2, -0.4, -inf]])
+    dout = torch.from_numpy(rng.standard_normal((1, 20, 3, D)).astype(np.float32))
+    dlse = torch.from_numpy(rng.standard_normal((1, 3, 20)).astype(np.float32))
+    opts = dict(causal=True, softmax_scale=scale)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
+    want_out, want_lse = reference_attention(*leaves[:3], softmax_aux=leaves[3], **opts)
+    want = torch.autograd.grad((want_out, want_lse), leaves, (dout.double(), dlse.double()))
+    total = dlse.double().sum(dim=-1)[0].tolist()                  # per head
+    shares = torch.tensor([[total[0] / 2, total[0] / 2, 0.0], [total[1], 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(want[3][:2], shares, rtol=1e-12, atol=1e-12)
+    assert not want_out[:, :, :2].any() and torch.isinf(want_lse[:, :2]).all()
+
+    # At scale 500 the softmax of the finite head is nearly one-hot: dq and dk cancel to rounding noise.
+    grad_tol = 1e-4 if scale is None else 1e-2
+    got = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    out, lse = dt.flash_attention(*got[:3], softmax_aux=got[3], return_lse=True, **opts)
+    grads = torch.autograd.grad((out, lse), got, (dout, dlse))
+    assert_close_rel(out, want_out, 1e-5, "torch out")
+    assert_close_rel(lse, want_lse, 1e-5, "torch lse")
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+        assert_close_rel(g[:, :, 2:] if name == "dq" else g, w[:, :, 2:] if name == "dq" else w, grad_tol,
+                         f"torch {name}")
+        if name == "dq":
+            assert not g[:, :, :2].any(), "dq of saturated heads"
+    qj, kj, vj, sj = _jax(q, k, v, sinks)
+    for backend in ("triton", "xla", "pallas"):
+        f = lambda *a: dj.flash_attention(*a[:3], softmax_aux=a[3], return_lse=True, backend=backend,  # noqa: E731
+                                          **opts)
+        (o, l), vjp = jax.vjp(f, qj, kj, vj, sj)
+        assert_close_rel(np.asarray(o), want_out, JAX_TOL, f"{backend} out")
+        assert np.array_equal(np.asarray(l) == np.inf, (want_lse == inf).numpy()), backend
+        for name, g, w in zip(("dq", "dk", "dv", "dsinks"), vjp(_jax(dout, dlse)), want):
+            assert_close_rel(np.asarray(g), w, grad_tol if jax.default_backend() == "cpu" else 2e-2,
+                             f"{backend} {name}")
+
+
 # ----------------------------------------------------------------------------- huge values
 
 @pytest.mark.parametrize("case", ["scale-1e30", "query-1e20"])
@@ -202,10 +265,16 @@ def test_window_wider_than_int32_is_unbounded(rng):
 def test_empty_dimensions_in_every_backend(empty):
     b, sq, sk = {"batch": (0, 8, 8), "queries": (1, 0, 8), "keys": (1, 8, 0)}[empty]
     q, k, v = jnp.ones((b, sq, H, D)), jnp.ones((b, sk, H, D)), jnp.ones((b, sk, H, D))
+    # With segment ids too: the xla path's tile skipping once reduced the empty batch's ids.
+    ids = dict(q_segment_ids=jnp.zeros((b, sq), jnp.int32), kv_segment_ids=jnp.zeros((b, sk), jnp.int32))
     for backend in ("triton", "xla", "pallas"):
-        out, lse = dj.flash_attention(q, k, v, return_lse=True, backend=backend)
-        assert out.shape == (b, sq, H, D) and not np.asarray(out).any(), backend
-        assert np.all(np.asarray(lse) == -np.inf), backend
+        for extra in ({}, ids):
+            f = lambda q: dj.flash_attention(q, k, v, return_lse=True, backend=backend, **extra)  # noqa: E731
+            (out, lse), vjp = jax.vjp(f, q)
+            assert out.shape == (b, sq, H, D) and not np.asarray(out).any(), backend
+            assert np.all(np.asarray(lse) == -np.inf), backend
+            dq, = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+            assert dq.shape == q.shape and not np.asarray(dq).any(), backend
     out = dt.flash_attention(*(torch.ones(x.shape) for x in (q, k, v)))
     assert out.shape == (b, sq, H, D) and not out.any()
 

@@ -9,6 +9,9 @@ run it); the tensors are drawn afterwards from their own generator of the same (
 """
 from __future__ import annotations
 
+import types
+from typing import Optional
+
 import numpy as np
 
 from .invalid import MUTATIONS
@@ -125,6 +128,72 @@ def _layout(rng, c: dict, device: str) -> dict:
                 stride=int(rng.integers(1, 4)), global_n=int(rng.integers(0, 2 * bk)))
 
 
+def layout_fits(c: dict, arch: Optional[int] = None, max_shared: Optional[int] = None) -> bool:
+    """Whether the drawn layout's blocks launch on sm_<arch> in `max_shared` bytes (default: this
+    GPU's): asked of the launchers' own check, kernels/flash/fit.py (which raises the ValueError naming
+    `layout` where they do not), with stand-ins of the configuration's arrays.  Compiles, needs no GPU."""
+    from ..kernels.flash import fit
+    from ..kernels.flash import plan as flash_plan
+    from ..kernels.launch import max_shared_memory, row_major_strides
+    from ..options import FlashOptions
+    from ..validation import check_flash_args
+    if arch is None:
+        import triton
+        arch = int(triton.runtime.driver.active.get_current_target().arch)
+    if max_shared is None:
+        max_shared = max_shared_memory(0)
+    array = lambda shape, dtype: types.SimpleNamespace(shape=tuple(shape), dtype=dtype)  # noqa: E731
+    b, sq, sk, dtype = c["B"], c["Sq"], c["Sk"], c["dtype"]
+    arrays = {"query": array((b, sq, c["Hq"], c["D"]), dtype), "key": array((b, sk, c["Hkv"], c["D"]), dtype),
+              "value": array((b, sk, c["Hkv"], c["Dv"]), dtype)}
+    if c.get("segments"):
+        arrays["q_segment_ids"] = array((b, sq), c["segments"]["dtype"])
+        arrays["kv_segment_ids"] = array((b, sk), c["segments"]["dtype"])
+    if c.get("softmax_aux"):
+        arrays["softmax_aux"] = array(c["softmax_aux"]["shape"], "float32")
+    shapes = check_flash_args(**arrays)
+    window = c["sliding_window"]
+    options = FlashOptions.build(head_dim=c["D"], softmax_scale=c["softmax_scale"], causal=c["causal"],
+                                 sliding_window=tuple(window) if isinstance(window, list) else window,
+                                 logits_soft_cap=c["logits_soft_cap"])
+    lay = c["layout"]
+    bq, bk = lay["block_q"], lay["block_k"]
+    sparse = flash_plan.SparseInfo(lay["layout_batch"], lay["layout_heads"], -(-sq // bq), -(-sk // bk), bq, bk)
+    out = array(flash_plan.out_shape(shapes), dtype)
+    strides = {name: row_major_strides(a.shape) for name, a in {**arrays, "out": out}.items()}
+    dtypes = {**{name: a.dtype for name, a in arrays.items()}, **{name: "int32" for name in flash_plan.SPARSE_INPUTS}}
+    kw = dict(config=sparse.config(), arch=arch, max_shared=max_shared, sparse=sparse)
+    try:
+        fit.forward(shapes, options, strides, dtypes=dtypes, **kw)
+        fit.backward(shapes, options, strides, lse_grad=c["lse_cotangent"],
+                     dtypes={**dtypes, "out": dtype, "dout": dtype, "lse": "float32", "dlse": "float32"}, **kw)
+    except ValueError as e:
+        if "layout" not in str(e):
+            raise
+        return False
+    return True
+
+
+def fitted_layout(c: dict, **device) -> dict:
+    """c with layout blocks (halved, the larger first, down to 32) or a dtype (bfloat16) that the GPU's
+    shared memory holds, as the library's error for a layout that does not fit suggests; then down to
+    16.  `device`: layout_fits' arch and max_shared."""
+    c = dict(c, layout=dict(c["layout"]))
+    lay = c["layout"]
+    for smallest in (32, 16):
+        while not layout_fits(c, **device):
+            big = "block_q" if lay["block_q"] >= lay["block_k"] else "block_k"
+            if lay[big] > smallest:
+                lay[big] //= 2
+            elif c["dtype"] == "float32":
+                c["dtype"] = "bfloat16"
+            else:
+                break
+        else:
+            return c
+    raise RuntimeError(f"no layout of 16x16 blocks fits: {c}")
+
+
 def _jax_backends(rng, c: dict, device: str) -> list:
     cpu = device == "cpu"
     # Interpreted Triton through jax costs ~1 s a configuration and XLA compiles each new shape (~2 s),
@@ -168,6 +237,8 @@ def draw_valid(rng: np.random.Generator, device: str) -> dict:
     if kind == "blocksparse":
         c["layout"] = _layout(rng, c, device)
     c["jax"] = _jax_backends(rng, c, device)
+    if kind == "blocksparse" and device == "cuda":
+        c = fitted_layout(c)   # a valid configuration the library accepts (no draw from rng: replays hold)
     return c
 
 

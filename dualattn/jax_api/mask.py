@@ -132,10 +132,13 @@ def exp_nonpositive(x):
 
 def sink_probability(sinks, lse):
     """exp(sink - lse) with the infinite cases decided first, as the Triton backward does: a -inf
-    sink has probability 0 (also in a fully masked row, lse -inf), a +inf sink 1 (its row's lse is
-    +inf).  Broadcasts."""
+    sink has probability 0 (also in a fully masked row, lse -inf); in a row whose lse is +inf the
+    +inf sinks along the last axis (one head's sinks; length 1 for a single or combined sink) share
+    it equally, 1 / their count each.  Broadcasts."""
+    posinf = sinks == jnp.inf
+    shares = jnp.maximum(jnp.sum(posinf, axis=-1, keepdims=True), 1)
     diff = jnp.where(sinks == -jnp.inf, -jnp.inf, jnp.where(sinks == lse, 0.0, sinks - lse))
-    return jnp.exp(diff)
+    return jnp.where(posinf & (lse == jnp.inf), 1.0 / shares, jnp.exp(diff))
 
 
 @jax.custom_jvp

@@ -5,6 +5,8 @@ the mask (window / causal on positions, segments, attention_mask).  Sinks (softm
 logits in each row's softmax denominator (not scaled, not capped, not masked) that add nothing to the
 output.  Dropout multiplies the probabilities by keep / (1 - p); the lse is unaffected.  A row with no
 allowed key yields output 0, lse -inf (with sinks: the sinks' logsumexp) and zero gradients, never NaN.
+A +inf sink takes its head's rows whole: output 0, lse +inf; the +inf sinks of a head share each row
+equally (d lse / d sink = 1 / their count), every other logit has probability 0.
 
     reference_attention(q, k, v, **opts)           dense BSHD -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq))
     reference_varlen(q, k, v, cu_q, cu_k, **opts)   packed     -> (out (total_q,Hq,Dv), lse (Hq,total_q))
@@ -50,6 +52,32 @@ def _sinks(softmax_aux, hq):
     if s.shape[0] == hq:                       # one sink per head
         return s[None, :, None, None]
     return s[None, None, None, :].expand(1, hq, 1, s.shape[0])   # n sinks shared by all heads
+
+
+class _FiniteStandIn(torch.autograd.Function):
+    """+inf entries replaced by a finite value in the forward; the gradient passes unchanged (the
+    derivative of the limit in which those entries grow without bound)."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        return torch.where(torch.isposinf(x), value, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _saturating_sinks(sinks, scores):
+    """Sinks with +inf entries stood in by a finite logit far above every finite score and sink, and
+    the (1, Hq, 1, 1) heads they saturate (None when none).  Then exp(score - lse) underflows to
+    exactly 0, the +inf sinks of a head share its rows equally (1 / their count each, also in the
+    gradient), and adding +inf to the lse of those heads gives the contract's lse +inf."""
+    posinf = torch.isposinf(sinks.detach())
+    if not posinf.any():
+        return sinks, None
+    values = torch.cat([scores.detach().flatten(), sinks.detach().flatten()])
+    top = values[torch.isfinite(values)].abs().max().item() if torch.isfinite(values).any() else 0.0
+    return _FiniteStandIn.apply(sinks, 2.0 * top + 1e4), posinf.any(dim=-1, keepdim=True)
 
 
 def reference_attention(q, k, v, *, softmax_scale=None, causal=False, sliding_window=None,
@@ -110,10 +138,12 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, sliding_wi
     sinks = _sinks(softmax_aux, Hq)
     neg = torch.tensor(float("-inf"), dtype=torch.float64, device=dev)
     masked = torch.where(allowed, s, neg)
+    saturated = None
+    if sinks is not None:
+        sinks, saturated = _saturating_sinks(sinks.to(dev), masked)
     row_max = (masked.amax(dim=-1, keepdim=True) if Sk else                       # [B, Hq, Sq, 1]
                masked.new_full(masked.shape[:-1] + (1,), float("-inf")))
     if sinks is not None:
-        sinks = sinks.to(dev)
         row_max = torch.maximum(row_max, sinks.detach().amax(dim=-1, keepdim=True))
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     s_safe = torch.where(allowed, s, row_max)                                   # no inf - inf
@@ -124,7 +154,10 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, sliding_wi
     empty = den <= 0
     den_safe = torch.where(empty, torch.ones_like(den), den)
     p = p / den_safe
-    lse = torch.where(empty, neg, torch.log(den_safe) + row_max).squeeze(-1)    # [B, Hq, Sq]
+    lse = torch.where(empty, neg, torch.log(den_safe) + row_max)
+    if saturated is not None:   # +inf, with d lse / d lse_finite = 1 for the sinks' gradient
+        lse = lse + torch.where(saturated, float("inf"), 0.0)
+    lse = lse.squeeze(-1)                                                       # [B, Hq, Sq]
 
     if dropout_prob and float(dropout_prob) > 0.0:
         if dropout_keep is None:
@@ -163,15 +196,6 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **opts):
         if keep is not None:
             kk = keep if torch.is_tensor(keep) else torch.as_tensor(np.asarray(keep))
             extra["dropout_keep"] = kk[i:i + 1, :, :sq, :sk]
-        if sk == 0:   # no keys at all: every row fully masked
-            hq = q.shape[1]
-            o = q.new_zeros(1, sq, hq, v.shape[-1])
-            sinks = _sinks(opts.get("softmax_aux"), hq)
-            if sinks is None:
-                l = q.new_full((1, hq, sq), float("-inf"))
-            else:
-                l = torch.logsumexp(sinks.to(q.device), dim=-1).expand(1, hq, sq)
-            outs.append(o[0]); lses.append(l[0]); continue
         o, l = reference_attention(qi, ki, vi, **opts, **extra)
         outs.append(o[0])
         lses.append(l[0])

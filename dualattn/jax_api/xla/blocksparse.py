@@ -353,7 +353,8 @@ def _backward(cfg: BlocksparseXlaConfig, query, key, value, softmax_aux, aux: _A
     # dS = P * (dP - delta), delta = rowsum(dO * O) - dlse: the dlse term makes the lse output differentiable.
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)                              # [B, Hq, Sq]
-    lse_ref = jnp.where(jnp.isfinite(lse), lse, 0.0)                      # fully masked rows: P = 0 anyway
+    # Fully masked rows (lse -inf): P = 0 anyway; a +inf sink's rows (lse +inf) keep it: P = exp(s - inf) = 0.
+    lse_ref = jnp.where(lse == -jnp.inf, 0.0, lse)
 
     q6, k5, v5 = _blocks(plan, query, key, value)
     do6 = _pad_seq(dout, plan.padded_q).reshape(B, nq, bq, Hkv, G, Dv)

@@ -348,7 +348,9 @@ def _forward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux):
 
     init = vary_like((jnp.zeros((B, Sq, Hkv, G, Dv), query.dtype), jnp.zeros((B, Hkv, G, Sq), jnp.float32)),
                      query, key, value)
-    out, lse = lax.fori_loop(0, dims.num_q_blocks, q_step, init) if Sq else init
+    # No rows (B or Sq of 0): nothing to loop over, and the tiles' id and position ranges
+    # (_tile_may_be_active) would reduce empty arrays.
+    out, lse = lax.fori_loop(0, dims.num_q_blocks, q_step, init) if B and Sq else init
     return out.reshape(B, Sq, dims.heads_q, Dv), lse.reshape(B, dims.heads_q, Sq)
 
 
@@ -366,7 +368,8 @@ def _backward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux, o
     # dS = P * (dP - delta), delta = rowsum(dO * O) - dlse: the dlse term makes the lse output differentiable.
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)                             # [B, Hq, Sq]
-    lse_ref = jnp.where(jnp.isfinite(lse), lse, 0.0)                     # fully masked rows: P = 0 anyway
+    # Fully masked rows (lse -inf): P = 0 anyway; a +inf sink's rows (lse +inf) keep it: P = exp(s - inf) = 0.
+    lse_ref = jnp.where(lse == -jnp.inf, 0.0, lse)
 
     q5 = query.reshape(B, Sq, Hkv, G, D)
     do5 = dout.reshape(B, Sq, Hkv, G, Dv)
@@ -417,7 +420,7 @@ def _backward(cfg: XlaConfig, query, key, value, bias, softmax_aux, aux: _Aux, o
     init = vary_like((jnp.zeros((B, Sq, Hkv, G, D), jnp.float32), jnp.zeros((B, Sk, Hkv, D), jnp.float32),
                       jnp.zeros((B, Sk, Hkv, Dv), jnp.float32), None if bias is None else jnp.zeros_like(bias)),
                      query, key, value)
-    dq, dk, dv, dbias = lax.fori_loop(0, dims.num_q_blocks, q_step, init) if Sq else init
+    dq, dk, dv, dbias = lax.fori_loop(0, dims.num_q_blocks, q_step, init) if B and Sq else init   # as _forward
 
     d_sinks = None
     if softmax_aux is not None:
@@ -510,7 +513,7 @@ def _int_rows(name, x, batch, length):
         raise TypeError(f"{name} must be an integer array, got {dtype_name(x)}")
     if x.ndim not in (1, 2) or x.shape[-1] != length or (x.ndim == 2 and x.shape[0] not in (1, batch)):
         raise ValueError(f"{name} must have shape ({batch}, {length}), got {tuple(x.shape)}")
-    x = jnp.broadcast_to(x.reshape(-1, length), (batch, length))
+    x = jnp.broadcast_to(x.reshape(x.shape[0] if x.ndim == 2 else 1, length), (batch, length))   # no -1: S may be 0
     return x if x.dtype.itemsize == 8 else x.astype(jnp.int32)
 
 
@@ -639,4 +642,8 @@ def flash_attention_varlen_xla(query, key, value, cu_seqlens_q, cu_seqlens_k, ma
                     precision=_hashable_precision(precision), logits_dtype=np.dtype(logits_dtype),
                     sink_layout=_sink_layout(softmax_aux, hq))
     out, lse = _flash_core_jit(cfg, query[None], key[None], value[None], None, softmax_aux, aux)
-    return (out[0], lse[0]) if return_lse else out[0]
+    if not return_lse:
+        return out[0]
+    # A token in no sequence is in no softmax, so its lse is -inf even with sinks (which join the rows
+    # of sequences only), as in the Triton kernels; its lse cotangent then reaches nothing.
+    return out[0], jnp.where(in_q[None, :], lse[0], -jnp.inf)

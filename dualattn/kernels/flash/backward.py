@@ -4,7 +4,7 @@ Recomputes P = exp(S - lse) tile by tile from the forward's lse (FA2).  With the
 natural-unit pre-cap scores z = qk * scale + bias and S = cap * tanh(z / cap):
     dP = dO V^T (dropout: times keep / (1 - p)),  dS = P (dP - delta),  delta = rowsum(dO * O) - dlse
     dZ = dS (1 - tanh^2)  -> dbias = dZ, dQ = scale dZ K, dK = scale dZ^T Q, dV = P_dropped^T dO
-    dsink_n = -sum_i exp(sink_n - lse_i) delta_i
+    dsink_n = -sum_i exp(sink_n - lse_i) delta_i   (+inf sinks: 1 / their count for exp(inf - inf))
 dK/dV programs own one key tile of one KV head and loop over the query heads of its GQA
 group, so no atomics are needed.  Tile ranges come from rules.band_range, as in forward.
 WARP_SPECIALIZE (Hopper; plan.warp_specialized_backward): each kernel's loop warp-specialised, as
@@ -64,11 +64,15 @@ def flash_bwd_preprocess_kernel(
         offs_s = tl.arange(0, BLOCK_SINKS)
         sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS, other=0.0).to(tl.float32)
         # exp(sink - lse), with the infinite cases decided first: a -inf sink has probability 0 (also in a
-        # row whose lse is -inf), a +inf sink 1 (its row's lse is +inf: the forward's `saturated`).
+        # row whose lse is -inf); the +inf sinks of a head share its rows (lse +inf: the forward's
+        # `saturated`) equally, 1 / their count each, the limit of equal sinks growing without bound.
+        posinf = sinks == float("inf")
+        n_posinf = reduce_sum(posinf.to(tl.float32), 0)
         diff = sinks[None, :] - lse[:, None]
         diff = tl.where(sinks[None, :] == float("-inf"), float("-inf"),
                         tl.where(sinks[None, :] == lse[:, None], 0.0, diff))
         p_sink = tl.exp2(diff * LOG2E)  # [BLOCK_M, BLOCK_SINKS]
+        p_sink = tl.where(posinf[None, :] & (lse[:, None] == float("inf")), 1.0 / tl.maximum(n_posinf, 1.0), p_sink)
         dsinks = reduce_sum(-p_sink * delta[:, None], 0)
         # Deterministic: one partial row per program, summed by the front end.
         out = (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * NUM_SINKS
