@@ -97,8 +97,11 @@ def call_options(c: dict) -> dict:
     return opts
 
 
-def reference(c: dict, x: Inputs):
-    """float64 (out, lse, grads by leaf name) of the configuration (+inf sinks: the reference's rule)."""
+def reference(c: dict, x: Inputs, device: str = "cpu"):
+    """float64 (out, lse, grads by leaf name) of the configuration (+inf sinks: the reference's rule),
+    on the CPU.  `device` "cuda": computed on the GPU (float64 there is exact IEEE arithmetic too, and a
+    GPU-sized configuration's float64 attention takes tens of seconds on one CPU core)."""
+    on = (lambda t: t.to(device) if torch.is_tensor(t) else t) if device == "cuda" else (lambda t: t)
     opts = call_options(c)
     opts.pop("dropout_seed", None)
     leaves = {"query": x.query, "key": x.key, "value": x.value}
@@ -128,20 +131,23 @@ def reference(c: dict, x: Inputs):
                                            **opts, **others, **f)
         return out, lse
 
-    f64 = {n: t.detach().to(torch.float64).requires_grad_(True) for n, t in leaves.items()}
+    others = {n: on(t) for n, t in others.items()}
+    keep = on(keep)
+    f64 = {n: on(t.detach().to(torch.float64)).requires_grad_(True) for n, t in leaves.items()}
     with torch.no_grad():
         out, lse = run({n: t.detach() for n, t in f64.items()})
     gout, glse = run(f64)
-    pairs = [(gout, x.dout.to(torch.float64))]
+    pairs = [(gout, on(x.dout.to(torch.float64)))]
     if x.dlse is not None:
-        pairs.append((glse, x.dlse.to(torch.float64)))
+        pairs.append((glse, on(x.dlse.to(torch.float64))))
     pairs = [(o, d) for o, d in pairs if o.requires_grad]   # an empty output depends on nothing
     names = list(f64)
     grads = [None] * len(names)
     if pairs:
         outs, cots = zip(*pairs)
         grads = torch.autograd.grad(outs, [f64[n] for n in names], cots, allow_unused=True)
-    return out, lse, {n: torch.zeros_like(f64[n]) if g is None else g for n, g in zip(names, grads)}
+    grads = {n: torch.zeros_like(f64[n]) if g is None else g for n, g in zip(names, grads)}
+    return out.detach().cpu(), lse.detach().cpu(), {n: g.detach().cpu() for n, g in grads.items()}
 
 
 def _reference_varlen_full(q, k, v, cq, ck, c, **opts):
@@ -317,7 +323,7 @@ def available_jax_backends(device: str) -> tuple:
 
 def check_valid(c: dict, x: Inputs, device: str) -> dict:
     """Run and check one valid configuration; returns the relative errors by front end and quantity."""
-    want = reference(c, x)
+    want = reference(c, x, device)
     floors = gradient_floors(c, x, device)
     errors = {}
     got_torch = run_torch(c, x, device)
