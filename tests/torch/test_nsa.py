@@ -285,6 +285,27 @@ def test_selected_branch_gpu(torch_gen, group, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [4, 16])
+def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group):
+    """Compiled chunk and reduction kernels: block 0 in nearly every token's selection, its list cut
+    into many chunks of 37 entries (the default chunks hold whole lists at 1k tokens); against the
+    reference, and bitwise reproducible."""
+    monkeypatch.setattr(nsa_plan, "dkv_chunk", lambda shapes: 37)
+    seqlen, block_size = 1024, 64
+    q, k, v = qkv(torch_gen, 1, seqlen, 2 * group, 2, 128, dtype=torch.bfloat16, device="cuda")
+    idx, counts = random_selection(torch_gen, 1, seqlen, 2, 16, block_size)
+    idx[..., 1] = 0
+    idx, counts = idx.cuda(), counts.cuda()
+    check_selected(q, k, v, idx, counts, block_size, HALF_TOL[torch.bfloat16])
+    out = apply_native_sparse_attention(q, k, v, idx, counts, block_size)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout)
+    again = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, counts, block_size), (q, k, v), dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [4, 16])
 def test_native_sparse_attention_gpu(torch_gen, group):
     seqlen = 1024
     q, k, v = [x.detach().cuda().requires_grad_() for x in qkv(torch_gen, 1, seqlen, group, 1, 128)]
