@@ -48,13 +48,17 @@ def _selected(call: _SelectedCall, query, key, value, block_indices, block_count
     return _selected_forward(call, query, key, value, block_indices, block_counts, cu_seqlens)[0]
 
 
-def inverted_index(selection_keys, buckets: int):
+def inverted_index(selection_keys, plan: nsa_plan.BackwardPlan) -> dict:
     """As the torch front end's (dualattn.torch_api.nsa.inverted_index): int32 throughout, since JAX
-    has no int64 without x64 (plan.check_index_range bounds the keys)."""
+    has no int64 without x64 (plan.check_index_range bounds the keys); static shapes."""
     flat = selection_keys.reshape(-1)
     keys, order = jax.lax.sort((flat, jnp.arange(flat.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
-    starts = jnp.searchsorted(keys, jnp.arange(1, buckets + 2, dtype=keys.dtype)).astype(jnp.int32)
-    return order, starts
+    starts = jnp.searchsorted(keys, jnp.arange(1, plan.buckets + 2, dtype=keys.dtype)).astype(jnp.int32)
+    chunks = (starts[1:] - starts[:-1] + plan.chunk_entries - 1) // plan.chunk_entries
+    chunk_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(chunks, dtype=jnp.int32)])
+    programs = jnp.arange(plan.max_chunks, dtype=jnp.int32)
+    chunk_buckets = (jnp.searchsorted(chunk_starts, programs, side="right") - 1).astype(jnp.int32)
+    return dict(entry_order=order, bucket_starts=starts, chunk_buckets=chunk_buckets, chunk_starts=chunk_starts)
 
 
 def _selected_backward(call: _SelectedCall, residuals, dout):
@@ -63,8 +67,8 @@ def _selected_backward(call: _SelectedCall, residuals, dout):
                   **_int_inputs(block_indices, block_counts, cu_seqlens))
     plan = nsa_plan.plan_backward(call.shapes, call.softmax_scale, call.block_count)
     grads = _launch.run(plan.dq, arrays)
-    order, starts = inverted_index(grads["selection_keys"], plan.buckets)
-    grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"], entry_order=order, bucket_starts=starts)))
+    grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"], **inverted_index(grads["selection_keys"],
+                                                                                              plan))))
     return (grads["dq"], grads["dk"].astype(key.dtype), grads["dv"].astype(value.dtype), None, None, None)
 
 

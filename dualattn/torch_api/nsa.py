@@ -32,14 +32,20 @@ def _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
                 cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
 
 
-def inverted_index(selection_keys: Tensor, buckets: int):
-    """(entry_order, bucket_starts), both int32, of the key-major dK / dV pass (kernels/nsa/plan.py):
-    the selection entries sorted by bucket key, stably (in token order within a bucket), and where
-    each of the `buckets` lists starts (key 0, entries that do not count, sorts first)."""
+def inverted_index(selection_keys: Tensor, plan: nsa_plan.BackwardPlan) -> dict:
+    """The int32 index of the key-major dK / dV pass (kernels/nsa/plan.py, BackwardPlan): the selection
+    entries sorted by bucket key, stably (in token order within a bucket), where each of the buckets'
+    lists starts (key 0, entries that do not count, sorts first), and the lists' chunks."""
     keys, order = torch.sort(selection_keys.flatten(), stable=True)
-    starts = torch.searchsorted(keys, torch.arange(1, buckets + 2, dtype=keys.dtype, device=keys.device),
+    starts = torch.searchsorted(keys, torch.arange(1, plan.buckets + 2, dtype=keys.dtype, device=keys.device),
                                 out_int32=True)
-    return order.to(torch.int32), starts
+    chunks = (starts[1:] - starts[:-1] + plan.chunk_entries - 1) // plan.chunk_entries
+    chunk_starts = torch.cat([starts.new_zeros(1), chunks.cumsum(0, dtype=torch.int32)])
+    # Chunk p's bucket: the last whose chunks start at or before p (the bucket count past the last chunk).
+    programs = torch.arange(plan.max_chunks, dtype=torch.int32, device=keys.device)
+    chunk_buckets = torch.searchsorted(chunk_starts, programs, right=True, out_int32=True) - 1
+    return dict(entry_order=order.to(torch.int32), bucket_starts=starts, chunk_buckets=chunk_buckets,
+                chunk_starts=chunk_starts)
 
 
 class _SelectedAttention(torch.autograd.Function):
@@ -59,9 +65,8 @@ class _SelectedAttention(torch.autograd.Function):
                       block_indices=idx, block_counts=counts, cu_seqlens=cu)
         plan = nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count)
         grads = _launch.run(plan.dq, arrays)
-        order, starts = inverted_index(grads["selection_keys"], plan.buckets)
-        grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"], entry_order=order,
-                                                 bucket_starts=starts)))
+        grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"],
+                                                 **inverted_index(grads["selection_keys"], plan))))
         dtype = ctx.dtype
         return (grads["dq"].to(dtype), grads["dk"].to(dtype), grads["dv"].to(dtype), None, None, None, None, None,
                 None)

@@ -99,9 +99,14 @@ def test_torch_jax_parity(rng):
     assert_close_rel(np.asarray(out_j), out_t, 1e-6, "out")
 
 
-def test_torch_jax_gradient_parity(rng):
-    """Both front ends build the inverted index (torch.sort / lax.sort) and run the same interpreted
-    backward kernels: the same gradient bits."""
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_torch_jax_gradient_parity(rng, monkeypatch, chunk):
+    """Both front ends build the inverted index and its chunk table (torch.sort / lax.sort) and run
+    the same interpreted backward kernels: the same gradient bits, also with lists cut into chunks
+    of 5 entries (partial dK, dV summed by the reduction)."""
+    if chunk is not None:
+        from dualattn.kernels.nsa import plan as nsa_plan
+        monkeypatch.setattr(nsa_plan, "dkv_chunk", lambda shapes: chunk)
     q, k, v, idx, counts = _inputs(rng, 48, 4, 2, 16, 3, 16)
     dout = rng.standard_normal((1, 48, 4, 16)).astype(np.float32)
     _, vjp = jax.vjp(lambda q, k, v: jax_api.apply_native_sparse_attention(

@@ -110,6 +110,30 @@ def test_selected_branch_block_of_many_tokens_and_of_none(torch_gen):
         assert torch.count_nonzero(grad[:, :block_size]) == grad[:, :block_size].numel()
 
 
+def test_selected_branch_list_split_over_chunks(torch_gen, monkeypatch):
+    """Block 0 is named twice by every token, a 256-entry list cut into chunks of 7 entries (odd, so
+    chunk edges fall between a token's two entries: the second must still be dropped); its partial
+    dK, dV are summed by the reduction.  Against the reference, and bitwise reproducible."""
+    chunk = 7
+    monkeypatch.setattr(nsa_plan, "dkv_chunk", lambda shapes: chunk)
+    group, seqlen, block_size = 2, 128, 16
+    shapes = nsa_plan.NsaShapes(1, seqlen, group, 1, 16, 16, 3, block_size, "float32", False)
+    plan = nsa_plan.plan_backward(shapes, 0.25, 3)
+    assert plan.chunk_entries == chunk and plan.max_chunks >= 2 * seqlen // chunk
+    q, k, v = qkv(torch_gen, 1, seqlen, group, 1, 16)
+    own = torch.arange(seqlen, dtype=torch.int32) // block_size
+    idx = torch.stack([torch.zeros_like(own), torch.zeros_like(own), torch.where(own == 2, 1, own)], -1)
+    idx = idx[None, :, None, :].contiguous()
+    check_selected(q, k, v, idx, 3, block_size, FP32_TOL)
+    dout = torch.randn(1, seqlen, group, 16, generator=torch_gen)
+    first = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, 3, block_size), (q, k, v), dout)
+    again = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, 3, block_size), (q, k, v), dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    for grad in first[1:]:   # block 2: selected by nobody
+        assert torch.count_nonzero(grad[:, 2 * block_size:3 * block_size]) == 0
+
+
 def test_selected_branch_varlen_rows_outside_every_sequence(torch_gen):
     """Packed rows after the last sequence select nothing: zero gradients there, the rest as the
     reference of the sequences alone."""
@@ -257,6 +281,27 @@ def test_selected_branch_gpu(torch_gen, group, dtype):
     idx, counts = random_selection(torch_gen, 1, seqlen, 2, 16, block_size)
     check_selected(q, k, v, idx.cuda(), counts.cuda(), block_size, HALF_TOL[torch.bfloat16] if
                    dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [4, 16])
+def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group):
+    """Compiled chunk and reduction kernels: block 0 in nearly every token's selection, its list cut
+    into many chunks of 37 entries (the default chunks hold whole lists at 1k tokens); against the
+    reference, and bitwise reproducible."""
+    monkeypatch.setattr(nsa_plan, "dkv_chunk", lambda shapes: 37)
+    seqlen, block_size = 1024, 64
+    q, k, v = qkv(torch_gen, 1, seqlen, 2 * group, 2, 128, dtype=torch.bfloat16, device="cuda")
+    idx, counts = random_selection(torch_gen, 1, seqlen, 2, 16, block_size)
+    idx[..., 1] = 0
+    idx, counts = idx.cuda(), counts.cuda()
+    check_selected(q, k, v, idx, counts, block_size, HALF_TOL[torch.bfloat16])
+    out = apply_native_sparse_attention(q, k, v, idx, counts, block_size)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout)
+    again = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, counts, block_size), (q, k, v), dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

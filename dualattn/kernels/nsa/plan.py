@@ -21,24 +21,31 @@ Backward: two passes, no atomics (BackwardPlan).
   Within a bucket (fixed b, h) the entries then come in increasing token order, a duplicate
   entry next to its twin (the kernel drops an entry equal to the previous one); a search of the
   sorted keys gives where each bucket starts.  One sort of B * T * Hkv * S int32 per call.
-* dK / dV: key-major, one program per (KV group, key block) (per BLOCK_N keys of it: a second
-  grid axis when the block is larger), its K, V and fp32 dK, dV in registers, over the block's
-  list TOKENS_KV tokens (all heads of each) at a time.  Each dK / dV row is written once, in the
-  inputs' dtype.
+  Buckets are numbered block-major (block * KV groups + KV group: selected.bucket), so the
+  lists of block 0, the longest, come first.
+* dK / dV: key-major, over chunks of the buckets' lists.  Each list is cut into chunks of at most
+  dkv_chunk entries; one program per (chunk, BLOCK_N keys of its block) holds those keys' K, V
+  and fp32 dK, dV in registers, walks its chunk TOKENS_KV tokens (all heads of each) at a time and
+  writes its fp32 partial dK, dV to a scratch slot of its own (the chunk's number).  A reduction
+  program per (KV group, key block [, BLOCK_N keys]) then sums the block's slots in chunk order
+  and writes dK, dV once, in the inputs' dtype (zeros for a block nobody selected).  The front
+  ends' chunk table (inverted_index) gives each program its bucket; the chunk count is bounded
+  statically (max_chunks), and programs past the real count exit at once.
 
 Why: the single pass that added every visited block's [BLOCK_N, D] dK, dV tile to fp32 buffers
 with atomics spent most of the backward in those atomics (H200, bf16, D = 128, Hkv = 4, group 16,
 T = 8k, 16 blocks of 64: selected branch fwd 6.15 ms, fwd + bwd 40.8 ms), and its summation order
-changed from run to run.  Now the backward is bitwise reproducible: the sort is stable, each list
-is walked in one fixed order, and every gradient element is written by one program.
+changed from run to run.  Now the backward is bitwise reproducible: the sort is stable, the chunks
+are fixed by the list lengths alone, each chunk is walked in one fixed order, its partial sums are
+added in chunk order, and every element is written by one program.
 
-Load imbalance: early blocks are selected by many tokens (block 0 by nearly all of them, a
-token's own block by the few tokens inside it), so dK / dV programs differ in length by up to the
-sequence length over the block size.  The key block is the grid's second axis, so the programs
-are launched block 0 first (all KV groups' block 0, then block 1, ...): the longest lists start
-first and the short ones fill in behind them.  The longest still bounds the pass from below
-(about T / block_size times the mean list): splitting long lists over several programs would need
-a second, fixed-order reduction of their partial dK, dV.
+Load imbalance, and why chunks: early blocks are selected by many tokens (block 0 by nearly all of
+them, a token's own block by the few tokens inside it), so whole lists differ in length by up to
+the sequence length over the block size.  One program per list ran for the longest one alone
+(H200, bf16, D = 128, Hkv = 4, T = 64k, 16 blocks of 64, top-k selections: dK / dV 51 ms at group
+16, block 0's program walking ~64k tokens x 16 heads, against 30 ms for dQ).  Chunks bound every
+program's walk; the chunk table lists block 0's chunks first, then block 1's, ..., so the long
+lists' chunks start first and the short last chunks fill in behind them.
 """
 from __future__ import annotations
 
@@ -53,7 +60,12 @@ TENSOR_CORE_ROWS = 16
 DKV_ROWS = 32
 FWD_INPUTS = ("query", "key", "value", "block_indices", "block_counts", "cu_seqlens")
 BWD_INPUTS = ("query", "key", "value", "out", "dout", "lse", "block_indices", "block_counts", "cu_seqlens")
-DKV_INPUTS = ("query", "key", "value", "dout", "lse", "delta", "entry_order", "bucket_starts", "cu_seqlens")
+DKV_INPUTS = ("query", "key", "value", "dout", "lse", "delta", "entry_order", "bucket_starts", "chunk_buckets",
+              "chunk_starts", "cu_seqlens")
+DKV_REDUCE_INPUTS = ("dk_chunks", "dv_chunks", "chunk_starts", "cu_seqlens")
+# A dK / dV program's walk: at most this many rows (list entries * GROUP_PAD), DKV_CHUNK_ROWS //
+# DKV_ROWS = 128 steps, unless dkv_chunk needs longer chunks to bound the scratch.
+DKV_CHUNK_ROWS = 4096
 INT32_MAX = 2 ** 31 - 1
 
 
@@ -136,10 +148,17 @@ def _strides(shapes: NsaShapes):
 
 
 # The dK / dV kernel's: no selection (its lists replace it), so no strides of the indices or counts.
-DKV_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "qkvol") + ("seqlen", "total", "num_heads_kv",
-                                                                                   "sm_scale")
+DKV_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "qkvol") + (
+    "seqlen", "total", "num_heads_kv", "kv_groups", "chunk_entries", "sm_scale")
 DKV_CONSTEXPRS = ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "GROUP", "GROUP_PAD", "TOKENS", "NUM_SLOTS",
                   "BLOCK_SIZE", "BLOCK_N", "IS_VARLEN", "DOT_PRECISION", "STRIDES_ALIGNED")
+# The reduction's: dK, dV strides (K's, V's) and where each KV group's sequence lies.
+DKV_REDUCE_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "kv") + (
+    "seqlen", "total", "num_heads_kv", "kv_groups", "sm_scale")
+DKV_REDUCE_CONSTEXPRS = ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "BLOCK_SIZE", "BLOCK_N", "IS_VARLEN",
+                         "STRIDES_ALIGNED")
+# What the reduction takes on from the dK / dV launch.
+DKV_RESUME = (("dk_chunks", "dk_chunks"), ("dv_chunks", "dv_chunks"))
 
 
 def kv_groups(shapes: NsaShapes) -> int:
@@ -148,14 +167,47 @@ def kv_groups(shapes: NsaShapes) -> int:
 
 
 def num_buckets(shapes: NsaShapes) -> int:
-    """Lists of the inverted index: one per (KV group, key block)."""
+    """Lists of the inverted index: one per (key block, KV group), block-major (selected.bucket)."""
     return kv_groups(shapes) * cdiv(shapes.seqlen, shapes.block_size)
+
+
+def num_entries(shapes: NsaShapes) -> int:
+    """Selection entries: B * T * Hkv * S (varlen: every packed row's)."""
+    _, (batch, rows) = _strides(shapes)
+    return batch * rows * shapes.heads_kv * shapes.num_slots
+
+
+def dkv_chunk(shapes: NsaShapes) -> int:
+    """List entries per dK / dV program (plan_backward): DKV_CHUNK_ROWS rows' worth, and at least
+    S * block_size, a bucket's mean list length (entries / buckets), so that only lists longer than
+    the mean are split and the chunk count (max_chunks) stays within twice the buckets: the scratch
+    within twice fp32 dK, dV.  (At 128 steps a chunk at group 16 would be 256 entries: at T = 64k,
+    S = 16, block 64, Hkv = 4, D = 128 a 1.3 GB scratch; this way 512 steps and 0.54 GB.  At the
+    1.6 us a step measured on an H200 that is a 0.8 ms walk, where the whole pass is ~16k steps per
+    SM, one program per SM.)  A multiple of the kernel's TOKENS_KV, so only a list's last step is
+    partial."""
+    tokens = dkv_tiles(shapes).tokens
+    entries = max(DKV_CHUNK_ROWS // next_pow2(shapes.group_size), shapes.num_slots * shapes.block_size)
+    return cdiv(entries, tokens) * tokens
+
+
+def max_chunks(shapes: NsaShapes, chunk: int) -> int:
+    """A static bound on the chunks of all lists: sum over buckets of cdiv(count, chunk) <=
+    entries // chunk + buckets."""
+    return num_entries(shapes) // chunk + num_buckets(shapes)
+
+
+def dkv_scratch_bytes(shapes: NsaShapes) -> int:
+    """The fp32 partial dK, dV of every chunk: max_chunks * block_size * (D + Dv) * 4 bytes, i.e.
+    (B * T * Hkv * S // dkv_chunk + B * Hkv * cdiv(T, block_size)) * block_size * (D + Dv) * 4:
+    at most about twice fp32 dK, dV (dkv_chunk).  T = 65536, S = 16, block 64, Hkv = 4, D = Dv =
+    128, B = 1: 8192 slots of 64 KiB, 537 MB."""
+    return max_chunks(shapes, dkv_chunk(shapes)) * shapes.block_size * (shapes.head_dim + shapes.head_dim_v) * 4
 
 
 def check_index_range(shapes: NsaShapes) -> None:
     """The backward's bucket keys and entry numbers are int32 (JAX has no int64 without x64)."""
-    _, (batch, rows) = _strides(shapes)
-    entries = batch * rows * shapes.heads_kv * shapes.num_slots
+    entries = num_entries(shapes)
     if max(entries, num_buckets(shapes) + 1) > INT32_MAX:
         raise ValueError(f"block_indices has {entries} entries in {num_buckets(shapes)} (KV group, block) lists: the "
                          f"backward numbers them in int32, at most {INT32_MAX}")
@@ -216,21 +268,28 @@ def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
-    """The two backward launches.  Launchers run `dq`, build the inverted index from its
-    selection_keys (module docstring: a stable sort; entry_order int32 = the entries' flat indices in
-    sorted order, bucket_starts int32 (buckets + 1,) = where each bucket's entries start, past the
-    entries of key 0), then `dkdv` with dq's delta."""
+    """The backward launches.  Launchers run `dq`, build the inverted index from its selection_keys
+    (inverted_index in each front end, module docstring), then `dkdv` (which runs its reduction
+    after it, `then`) with dq's delta.  The index, all int32:
+      entry_order (entries,): the entries' flat indices in block_indices, sorted stably by bucket key;
+      bucket_starts (buckets + 1,): where each bucket's entries start, past the entries of key 0;
+      chunk_starts (buckets + 1,): where each bucket's chunks start in the chunk table, bucket i
+          having cdiv(its entries, chunk_entries) chunks;
+      chunk_buckets (max_chunks,): each chunk's bucket, in bucket order, `buckets` past the last."""
     dq: Launch
     dkdv: Launch
     buckets: int
+    chunk_entries: int
+    max_chunks: int
 
 
 def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
                   scan: Optional[bool] = None) -> BackwardPlan:
     """dq outputs dq (like query), delta (fp32, like lse) and selection_keys (int32, like
-    block_indices); dkdv takes delta, entry_order and bucket_starts and outputs dk, dv (like key,
-    value).  Varlen rows past the last sequence are written by no program: dq, dk, dv are zeroed
-    and selection_keys are 0 (no bucket) there."""
+    block_indices); dkdv takes delta and the inverted index and outputs dk_chunks, dv_chunks (fp32
+    (max_chunks, block_size, D / Dv), the scratch) and, from its reduction, dk, dv (like key, value).
+    Varlen rows past the last sequence are written by no program: dq, dk, dv are zeroed and
+    selection_keys are 0 (no bucket) there."""
     check_index_range(shapes)
     t, scalars, constexprs, grid = _scalars_and_constexprs(shapes, softmax_scale, block_count, scan)
     _, (batch, rows) = _strides(shapes)
@@ -242,16 +301,26 @@ def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
                         zeroed=shapes.varlen)),
         constexprs=constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
     kv = dkv_tiles(shapes)
-    scalar, const = dict(scalars), dict(constexprs, TOKENS=kv.tokens, BLOCK_N=kv.block_n)
-    dkdv = Launch(
-        module="nsa.selected", kernel="nsa_bwd_dkv_kernel",
-        grid=(kv_groups(shapes) * (shapes.block_size // kv.block_n), cdiv(shapes.seqlen, shapes.block_size), 1),
-        inputs=DKV_INPUTS, scalars=tuple((n, scalar[n]) for n in DKV_SCALARS),
+    chunk = dkv_chunk(shapes)
+    chunks = max_chunks(shapes, chunk)
+    subs = shapes.block_size // kv.block_n
+    scalar = dict(scalars, kv_groups=kv_groups(shapes), chunk_entries=chunk)
+    const = dict(constexprs, TOKENS=kv.tokens, BLOCK_N=kv.block_n)
+    reduce = Launch(
+        module="nsa.selected", kernel="nsa_bwd_dkv_reduce_kernel", grid=(num_buckets(shapes) * subs, 1, 1),
+        inputs=DKV_REDUCE_INPUTS, scalars=tuple((n, scalar[n]) for n in DKV_REDUCE_SCALARS),
         outputs=(Output("dk", (batch, rows, shapes.heads_kv, shapes.head_dim), "like:key", zeroed=shapes.varlen),
                  Output("dv", (batch, rows, shapes.heads_kv, shapes.head_dim_v), "like:value", zeroed=shapes.varlen)),
+        constexprs=tuple((n, const[n]) for n in DKV_REDUCE_CONSTEXPRS), num_warps=8, num_stages=1,
+        resume=DKV_RESUME)
+    dkdv = Launch(
+        module="nsa.selected", kernel="nsa_bwd_dkv_kernel", grid=(chunks * subs, 1, 1),
+        inputs=DKV_INPUTS, scalars=tuple((n, scalar[n]) for n in DKV_SCALARS),
+        outputs=(Output("dk_chunks", (chunks, shapes.block_size, shapes.head_dim), "float32"),
+                 Output("dv_chunks", (chunks, shapes.block_size, shapes.head_dim_v), "float32")),
         constexprs=tuple((n, const[n]) for n in DKV_CONSTEXPRS),
-        num_warps=kv.num_warps, num_stages=kv.num_stages)
-    return BackwardPlan(dq, dkdv, num_buckets(shapes))
+        num_warps=kv.num_warps, num_stages=kv.num_stages, then=reduce)
+    return BackwardPlan(dq, dkdv, num_buckets(shapes), chunk, chunks)
 
 
 IMPORTANCE_BLOCK_C = 64

@@ -20,10 +20,11 @@ walks the blocks up to its last token's own block instead and skips those no row
 Backward, two passes and no atomics (plan.py says why):
 * dQ (nsa_bwd_dq_kernel): the forward's programs and loop, dQ finished in registers; it also
   writes delta = rowsum(O * dO) and each selection entry's bucket (KV group, key block).
-* dK / dV (nsa_bwd_dkv_kernel): key-major, one program per (KV group, key block), over the
-  tokens that selected the block, in increasing order: the inverse of the selection, which the
-  front ends build between the passes by a stable sort of the buckets.  Each dK / dV row is
-  written once, so the gradients are the same bits on every run.
+* dK / dV (nsa_bwd_dkv_kernel): key-major, one program per chunk of the tokens that selected a
+  key block (in increasing order: the inverse of the selection, which the front ends build
+  between the passes by a stable sort of the buckets), its fp32 partial dK, dV to a scratch slot
+  of its own; then nsa_bwd_dkv_reduce_kernel sums each block's slots in order.  Each dK / dV row
+  is written once, so the gradients are the same bits on every run.
 Scores live in log2 units inside the kernels; the lse is stored in natural log, (B, T, Hq) fp32.
 """
 import triton
@@ -223,9 +224,34 @@ def lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh):
 
 
 @triton.jit
-def bucket(pid_bh, block, seqlen, BLOCK_SIZE: tl.constexpr):
-    """The inverted index's list of key block `block` of KV group pid_bh (plan.num_buckets)."""
-    return pid_bh * ((seqlen + BLOCK_SIZE - 1) // BLOCK_SIZE) + block
+def bucket(pid_bh, block, kv_groups):
+    """The inverted index's list of key block `block` of KV group pid_bh, block-major (plan.num_buckets):
+    the chunk table, in bucket order, lists the blocks most tokens select first."""
+    return block * kv_groups + pid_bh
+
+
+@triton.jit
+def bucket_keys(bucket_id, kv_groups, CU_SEQLENS, seqlen, total, num_heads_kv, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(batch index in memory, KV head, sequence start, length, keys, whether any key is in the
+    sequence) of the BLOCK_N keys of program axis 0 = bucket_id * SUBS + sub, sub-block `sub` of
+    bucket_id's key block.  A bucket_id of the bucket count (the chunk table past its last chunk)
+    names a block past every sequence's end: no key."""
+    block = bucket_id // kv_groups
+    b, h_kv, start, seq_len = kv_group(bucket_id % kv_groups, CU_SEQLENS, seqlen, total, num_heads_kv, IS_VARLEN)
+    first = block * BLOCK_SIZE + (tl.program_id(0) % (BLOCK_SIZE // BLOCK_N)) * BLOCK_N
+    return b, h_kv, start, seq_len, first + tl.arange(0, BLOCK_N), first < seq_len
+
+
+@triton.jit
+def chunk_slot(CHUNKS, chunk, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(pointers, column mask) of this program's [BLOCK_N, BLOCK_COLS] rows of scratch slot `chunk`,
+    a (BLOCK_SIZE, N_COLS) fp32 partial dK or dV of one chunk (program axis 0 = .. * SUBS + sub)."""
+    rows = tl.cast(chunk, tl.int64) * BLOCK_SIZE + (tl.program_id(0) % (BLOCK_SIZE // BLOCK_N)) * BLOCK_N \
+        + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_COLS)
+    return CHUNKS + rows[:, None] * N_COLS + offs_c[None, :], offs_c[None, :] < N_COLS
 
 
 @triton.jit
@@ -303,7 +329,7 @@ def nsa_bwd_dq_kernel(
                                   NUM_SLOTS, BLOCK_SLOTS, BLOCK_SIZE, PER_TOKEN_COUNTS)
         # One row per token (its group's first head) writes the token's bucket keys.
         offs_s = tl.arange(0, BLOCK_SLOTS)
-        keys = tl.where(selected >= 0, bucket(tl.program_id(1), selected, seqlen, BLOCK_SIZE) + 1, 0)
+        keys = tl.where(selected >= 0, bucket(tl.program_id(1), selected, tl.num_programs(1)) + 1, 0)
         key_rows = row_ok & (h_rows % GROUP == 0)
         KEYS_HEAD = head_base(SELECTION_KEYS, b, start, h_kv, stride_ib, stride_is, stride_ih)
         tl.store(KEYS_HEAD + t_rows[:, None] * stride_is + offs_s[None, :], keys,
@@ -329,7 +355,9 @@ def nsa_bwd_dq_kernel(
 
 DKV_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
             "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh", "seqlen",
-            "total", "num_heads_kv"]
+            "total", "num_heads_kv", "kv_groups", "chunk_entries"]
+DKV_REDUCE_INTS = ["stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "seqlen", "total",
+                   "num_heads_kv", "kv_groups"]
 
 
 @triton.jit
@@ -343,37 +371,38 @@ def listed_tokens(ENTRY_ORDER, e, listed, entries_per_row, rows_in_memory, start
 
 @triton.jit(do_not_specialize=DKV_INTS)
 def nsa_bwd_dkv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, ENTRY_ORDER, BUCKET_STARTS, CU_SEQLENS,
+    Q, K, V, DOUT, LSE, DELTA, ENTRY_ORDER, BUCKET_STARTS, CHUNK_BUCKETS, CHUNK_STARTS, CU_SEQLENS,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-    seqlen, total, num_heads_kv, sm_scale,
-    DK, DV,
+    seqlen, total, num_heads_kv, kv_groups, chunk_entries, sm_scale,
+    DK_CHUNKS, DV_CHUNKS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, NUM_SLOTS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr,
 ):
-    # Key-major dK / dV.  Grid (KV groups * BLOCK_SIZE // BLOCK_N, key blocks): a program owns
-    # BLOCK_N keys of block c of one KV group, in registers with their fp32 dK, dV, and walks the
-    # tokens that selected c (ENTRY_ORDER[BUCKET_STARTS[bucket]:BUCKET_STARTS[bucket + 1]], in
-    # increasing token order) TOKENS at a time, all GROUP heads of each as rows:
+    # Key-major partial dK / dV.  Grid (chunks * BLOCK_SIZE // BLOCK_N,): a program owns BLOCK_N
+    # keys of the block of its chunk's bucket (CHUNK_BUCKETS[chunk]), in registers with their fp32
+    # dK, dV, and walks the chunk: list entries [first, last) of the bucket's
+    # ENTRY_ORDER[BUCKET_STARTS[bucket]:BUCKET_STARTS[bucket + 1]] (increasing token order),
+    # first = the list's start + (chunk - CHUNK_STARTS[bucket]) * chunk_entries, TOKENS at a time,
+    # all GROUP heads of each as rows:
     #
     #     rows  e0:h0 .. e0:hG-1 [pad] | e1:h0 .. | ...      (e = list entry, TOKENS * GROUP_PAD rows)
     #
-    # It writes its dK, dV rows once, in their dtype (DK, DV have K's, V's strides; DOUT O's,
-    # DELTA the lse's).  Block 0 is on the slowest grid axis's first index: the blocks most
-    # tokens select start first.
+    # It writes its fp32 dK (unscaled), dV to slot `chunk` of DK_CHUNKS, DV_CHUNKS
+    # (chunks, BLOCK_SIZE, HEAD_DIM / HEAD_DIM_V); nsa_bwd_dkv_reduce_kernel sums them.  DOUT has
+    # O's strides, DELTA the lse's.
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
     stride_ob, stride_os, stride_oh = aligned(stride_ob, stride_os, stride_oh, STRIDES_ALIGNED)
-    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
-    pid_bh = tl.program_id(0) // SUBS
-    block = tl.program_id(1)
-    b, h_kv, start, seq_len = kv_group(pid_bh, CU_SEQLENS, seqlen, total, num_heads_kv, IS_VARLEN)
-    offs_n = block * BLOCK_SIZE + (tl.program_id(0) % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if block * BLOCK_SIZE + (tl.program_id(0) % SUBS) * BLOCK_N < seq_len:
+    chunk = tl.program_id(0) // (BLOCK_SIZE // BLOCK_N)
+    bucket_id = tl.load(CHUNK_BUCKETS + chunk)
+    b, h_kv, start, seq_len, offs_n, has_keys = bucket_keys(bucket_id, kv_groups, CU_SEQLENS, seqlen, total,
+                                                            num_heads_kv, BLOCK_SIZE, BLOCK_N, IS_VARLEN)
+    if has_keys:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         K_HEAD = head_base(K, b, start, h_kv, stride_kb, stride_ks, stride_kh)
@@ -384,17 +413,19 @@ def nsa_bwd_dkv_kernel(
                       True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
         dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
         dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
-        lo = tl.load(BUCKET_STARTS + bucket(pid_bh, block, seqlen, BLOCK_SIZE))
-        hi = tl.load(BUCKET_STARTS + bucket(pid_bh, block, seqlen, BLOCK_SIZE) + 1)
+        # The list's start, not the chunk's: the duplicate rule below looks back across chunk edges.
+        lo = tl.load(BUCKET_STARTS + bucket_id)
+        first = lo + (chunk - tl.load(CHUNK_STARTS + bucket_id)) * chunk_entries
+        last = tl.minimum(first + chunk_entries, tl.load(BUCKET_STARTS + bucket_id + 1))
         offs_r = tl.arange(0, TOKENS * GROUP_PAD)
         g_rows = offs_r % GROUP_PAD
         h_rows = h_kv * GROUP + g_rows
         entries_per_row = num_heads_kv * NUM_SLOTS
         rows_in_memory = total if IS_VARLEN else seqlen
         qk_scale = sm_scale * LOG2E
-        for first in tl.range(lo, hi, TOKENS):
-            e = first + offs_r // GROUP_PAD
-            listed = e < hi
+        for step in tl.range(first, last, TOKENS):
+            e = step + offs_r // GROUP_PAD
+            listed = e < last
             t_rows = listed_tokens(ENTRY_ORDER, e, listed, entries_per_row, rows_in_memory, start)
             # A token that names the block in two slots is listed twice, side by side: count it once.
             t_prev = listed_tokens(ENTRY_ORDER, e - 1, listed & (e > lo), entries_per_row, rows_in_memory, start)
@@ -412,6 +443,40 @@ def nsa_bwd_dkv_kernel(
             p_t, ds_t = probs_and_score_grads(q, k, v, do, lse2, delta, ok, qk_scale, True, DOT_PRECISION)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk_ptrs, dk_cols = chunk_slot(DK_CHUNKS, chunk, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N)
+        tl.store(dk_ptrs, dk, mask=dk_cols)
+        dv_ptrs, dv_cols = chunk_slot(DV_CHUNKS, chunk, HEAD_DIM_V, BLOCK_DV, BLOCK_SIZE, BLOCK_N)
+        tl.store(dv_ptrs, dv, mask=dv_cols)
+
+
+@triton.jit(do_not_specialize=DKV_REDUCE_INTS)
+def nsa_bwd_dkv_reduce_kernel(
+    DK_CHUNKS, DV_CHUNKS, CHUNK_STARTS, CU_SEQLENS,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    seqlen, total, num_heads_kv, kv_groups, sm_scale,
+    DK, DV,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+):
+    # Grid (buckets * BLOCK_SIZE // BLOCK_N,): BLOCK_N keys of one bucket's block.  Sums the partial
+    # dK, dV of the bucket's chunks, slots CHUNK_STARTS[bucket] .. CHUNK_STARTS[bucket + 1] - 1, in
+    # that order (fp32; none: zeros), and writes them once in DK's, DV's dtype (K's, V's strides).
+    tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
+    bucket_id = tl.program_id(0) // (BLOCK_SIZE // BLOCK_N)
+    b, h_kv, start, seq_len, offs_n, has_keys = bucket_keys(bucket_id, kv_groups, CU_SEQLENS, seqlen, total,
+                                                            num_heads_kv, BLOCK_SIZE, BLOCK_N, IS_VARLEN)
+    if has_keys:
+        dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+        dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
+        for chunk in tl.range(tl.load(CHUNK_STARTS + bucket_id), tl.load(CHUNK_STARTS + bucket_id + 1)):
+            dk_ptrs, dk_cols = chunk_slot(DK_CHUNKS, chunk, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N)
+            dk += tl.load(dk_ptrs, mask=dk_cols, other=0.0)
+            dv_ptrs, dv_cols = chunk_slot(DV_CHUNKS, chunk, HEAD_DIM_V, BLOCK_DV, BLOCK_SIZE, BLOCK_N)
+            dv += tl.load(dv_ptrs, mask=dv_cols, other=0.0)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         key_rows = (offs_n < seq_len)[:, None]
         DK_HEAD = head_base(DK, b, start, h_kv, stride_kb, stride_ks, stride_kh)
         DV_HEAD = head_base(DV, b, start, h_kv, stride_vb, stride_vs, stride_vh)
