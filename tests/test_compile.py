@@ -321,7 +321,6 @@ WS_FAST = (
             sinks=("head", 1), ws=True, num_sms=3),
     # The soft cap is arithmetic on the scores: the Triton warp-specialised kernels take it (not Gluon).
     Variant("ws-bf16-d128-softcap", sq=256, sk=4096, softcap=50.0, ws=True),
-    Variant("ws-fp16-d64-dropout", dtype="float16", d=64, sq=256, sk=4096, dropout=0.1, ws=True),
 )
 
 
@@ -355,7 +354,6 @@ WS_BWD = (
             sinks=("head", 1), lse_grad=True, ws=True, num_sms=3),
     Variant("ws-bwd-persistent-bf16-d64-causal", d=64, sq=4096, sk=4096, causal=True, ws=True, num_sms=5),
     Variant("ws-bwd-bf16-d128-causal-softcap", sq=2048, sk=2048, causal=True, softcap=50.0, ws=True),
-    Variant("ws-bwd-bf16-d128-dropout", sq=2048, sk=2048, dropout=0.1, ws=True),
 )
 
 

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from dualattn.kernels.flash import hopper, plan as flash_plan  # noqa: E402
 from dualattn.torch_api import flash_attention  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
-from reference import assert_close_rel, dropout_keep_reference, reference_attention  # noqa: E402
+from reference import assert_close_rel, reference_attention  # noqa: E402
 
 
 def _check_against_reference(b, sq, sk, hq, hkv, d, opts, *, device, dtype, seed, tol, sinks=False):
@@ -35,9 +35,6 @@ def _check_against_reference(b, sq, sk, hq, hkv, d, opts, *, device, dtype, seed
     out, lse = flash_attention(*leaves, return_lse=True, **extra)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    if extra.get("dropout_prob"):   # the documented hash of (seed, batch x head, row, column)
-        extra = dict(extra, dropout_keep=torch.from_numpy(dropout_keep_reference(
-            extra.pop("dropout_seed"), b, hq, sq, sk, extra["dropout_prob"])).to(device))
     ref_out, ref_lse = reference_attention(*ref_leaves, **extra)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
     assert not torch.isnan(out).any()
@@ -55,7 +52,6 @@ CPU_CASES = {
     "gqa-sinks-ragged-q": dict(b=1, sq=200, sk=2048, hq=4, hkv=2, d=128, opts={}, sinks=True),
     "cross-more-queries": dict(b=1, sq=260, sk=2048, hq=1, hkv=1, d=128, opts=dict(softmax_scale=0.3)),
     "softcap": dict(b=1, sq=128, sk=2048, hq=1, hkv=1, d=128, opts=dict(logits_soft_cap=5.0)),
-    "dropout": dict(b=1, sq=128, sk=2048, hq=2, hkv=1, d=128, opts=dict(dropout_prob=0.2, dropout_seed=7)),
 }
 @pytest.fixture
 def split_every_band(monkeypatch):
@@ -213,8 +209,6 @@ BWD_CASES = {
     "d96-cross-gqa": (dict(b=1, sq=384, sk=128, hq=4, hkv=2, d=96, opts={}), (False, True)),
     "d128-causal-softcap": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, opts=dict(causal=True, logits_soft_cap=5.0)),
                             (True, True)),
-    "d128-dropout": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, opts=dict(dropout_prob=0.2, dropout_seed=11)),
-                     (True, True)),
     "d64": (dict(b=1, sq=256, sk=256, hq=1, hkv=1, d=64, opts={}), (False, False)),   # plan.WS_DKDV_TILES
     "d64-causal": (dict(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, opts=dict(causal=True)), (True, False)),
     # Head dims padded to 64 take the D=64 tiles (plan.WS_DKDV_BANDED_OR_PERSISTENT_TILES: by padded width).
@@ -364,7 +358,6 @@ GPU_CASES = {
     "d64-gqa-cross": dict(b=1, sq=1000, sk=4096, hq=8, hkv=2, d=64, opts={}),
     "d96-sinks-ragged-q": dict(b=1, sq=2004, sk=4096, hq=4, hkv=4, d=96, opts={}, sinks=True),
     "d128-softcap": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts=dict(logits_soft_cap=20.0)),
-    "d128-dropout": dict(b=1, sq=4096, sk=4096, hq=4, hkv=4, d=128, opts=dict(dropout_prob=0.1, dropout_seed=5)),
 }
 GPU_SPLIT_CASES = {
     "causal-d128": dict(b=2, sq=4096, sk=4096, hq=8, hkv=8, d=128, opts=dict(causal=True)),
@@ -428,8 +421,6 @@ GPU_BWD_CASES = {   # (case, (dK/dV, dQ) warp-specialised)
     "d128-gqa-cross-sinks": (dict(b=1, sq=2048, sk=4096, hq=8, hkv=2, d=128, opts={}, sinks=True), (False, True)),
     "d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(softmax_scale=0.05)), (True, True)),
     "causal-d128": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True)), (True, True)),
-    "d128-dropout": (dict(b=1, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(dropout_prob=0.1, dropout_seed=3)),
-                     (True, True)),
     "causal-d128-softcap": (dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts=dict(causal=True,
                                                                                     logits_soft_cap=20.0)),
                             (True, True)),

@@ -72,24 +72,22 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
 
 
 def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """What every warp-specialised kernel needs.  Ruled out: per-element options that read
-    something beside the scores -- bias, mask, segments, explicit positions, block-sparse lists --
+    """What every warp-specialised kernel needs.  Ruled out: per-element options that read a tile
+    beside the scores -- bias, mask, segments, dropout, explicit positions, block-sparse lists --
     and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
-    query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap and dropout
-    are only arithmetic on a tile (a tanh; a hash of the seed and the positions), which the Triton
-    kernels share with the portable ones (rules.logits, rules.dropout_keep); the Gluon kernels do
-    not have them (_gluon_specializable)."""
+    query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap is only
+    arithmetic on the scores, which the Triton kernels share with the portable ones (rules.logits
+    and the backward's derivative); the Gluon kernels do not have it (_gluon_specializable)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
             and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs)
-            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_POSITIONS")))
+            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
 def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """What the Gluon kernels need: the warp-specialised kernels' conditions, no soft cap, no dropout."""
-    const = dict(constexprs)
-    return _warp_specializable(shapes, sparse, constexprs) and not (const["HAS_SOFTCAP"] or const["HAS_DROPOUT"])
+    """What the Gluon kernels need: the warp-specialised kernels' conditions and no soft cap."""
+    return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["HAS_SOFTCAP"]
 
 
 def split_band(shapes: FlashShapes, constexprs) -> bool:
@@ -257,7 +255,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the Gluon kernels need (_gluon_specializable: 16-bit inputs, TMA-legal strides, no
-    per-element option, soft cap or dropout, no block-sparse list, no packed varlen), head dims of 64 or 128
+    per-element option or soft cap, no block-sparse list, no packed varlen), head dims of 64 or 128
     (equal for K and V), no window other than causal, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
