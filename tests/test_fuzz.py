@@ -136,12 +136,13 @@ def test_features_count_options():
     assert np.all([isinstance(x, str) for x in f])
 
 
-@pytest.mark.parametrize("index", [1342, 365, 1305, 1963, 1820])
+@pytest.mark.parametrize("index", [1342, 365, 1305, 1963, 1820, 2221])
 def test_former_failures_replay_clean(index):
     """Configurations of seed 20261126 that once failed: two +inf sinks with an lse cotangent (1342),
     a +inf sink at softmax_scale 318 (365: the reference gave NaN), varlen rows in no sequence with
-    sinks on xla (1305), an empty batch with segment ids on xla (1963), and a lone key far below a
-    sink whose probability underflows (1820: out ~1e-108 in the reference, 0 in bf16)."""
+    sinks on xla (1305), an empty batch with segment ids on xla (1963), a lone key far below a
+    sink whose probability underflows (1820: out ~1e-108 in the reference, 0 in bf16), and an
+    "int64" cu_seqlens that JAX without x64 silently made int32, so nothing was invalid (2221)."""
     record = run.run_one(20261126, index, "cpu")
     assert record["ok"], record.get("traceback", record.get("error"))
 

@@ -307,6 +307,11 @@ def softmax_aux(rng, fw, device):
     return c, "softmax_aux"
 
 
+def _jax_has_int64() -> bool:
+    import jax.numpy as jnp
+    return jnp.asarray(np.zeros(1, np.int64)).dtype == np.int64
+
+
 @mutation()
 def cu_seqlens(rng, fw, device):
     c = _Call(rng, fw, device, varlen=True)
@@ -315,8 +320,8 @@ def cu_seqlens(rng, fw, device):
     total = int(cu[-1])
     r = int(rng.integers(6))
     name = f"cu_seqlens_{side}"
-    if r == 0:
-        bad = c.ints(cu, "int64")
+    if r == 0:   # a wrong dtype: int64 (JAX without x64 turns int64 into int32: a float table there)
+        bad = c.ints(cu, "int64" if fw == "torch" or _jax_has_int64() else "float32")
     elif r == 1:
         bad = c.ints(cu + 1, "int32")                                      # does not start at 0
     elif r == 2:
