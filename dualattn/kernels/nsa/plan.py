@@ -45,7 +45,9 @@ the sequence length over the block size.  One program per list ran for the longe
 (H200, bf16, D = 128, Hkv = 4, T = 64k, 16 blocks of 64, top-k selections: dK / dV 51 ms at group
 16, block 0's program walking ~64k tokens x 16 heads, against 30 ms for dQ).  Chunks bound every
 program's walk; the chunk table lists block 0's chunks first, then block 1's, ..., so the long
-lists' chunks start first and the short last chunks fill in behind them.
+lists' chunks start first and the short last chunks fill in behind them.  Measured once so far:
+the selected branch's fwd + bwd at T = 64k, group 16 stayed at 109.6 ms (108.8 before the chunks),
+so something else bounds it there; docs/nsa.md.
 """
 from __future__ import annotations
 
