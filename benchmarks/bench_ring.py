@@ -20,6 +20,12 @@ JSON rows go to benchmarks/results/<date>_ring_<framework>_w<W>_<device>.json.
 jax.profiler's perfetto trace); from the GPU kernel intervals it reports how much of the NCCL
 (send/recv) kernel time runs while a compute kernel runs, and how much compute time there is per
 call with no transfer beside it.  Trace and summary go to <date>_ring_profile_<framework>_w<W>.*.
+
+--per-step W [W ...] (torch, one GPU): what a W-GPU ring can reach.  Each of rank 0's steps (its
+flash launches on a visiting shard plus the fp32 merge; backward: launches plus dQ/dK/dV
+accumulation) is timed alone, with no transfer; their sum is the ring's time per call when every
+transfer hides behind compute, and the efficiency from it is the ceiling for W GPUs.  Rows go to
+<date>_ring_per_step_torch_<device>.json.
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ def _args():
     p.add_argument("--out", help="JSON path (default under benchmarks/results/)")
     p.add_argument("--plot", action="store_true", help="plot efficiency vs world size from the JSON results")
     p.add_argument("--profile", action="store_true", help="profile fwd+bwd of the first case (see above)")
+    p.add_argument("--per-step", type=int, nargs="*", metavar="W",
+                   help="torch, one GPU: time rank 0's ring steps for world sizes W (see above)")
     return p.parse_args()
 
 
@@ -208,6 +216,86 @@ def _torch_run(args):
     if rank == 0:
         _write(args, rows, world, name, versions)
     dist.destroy_process_group()
+
+
+def _torch_per_step(args):
+    import torch
+
+    from dualattn import ring as ring_rules
+    from dualattn.options import FlashOptions
+    from dualattn.torch_api import flash_attention
+    from dualattn.torch_api import ring as torch_ring
+
+    device = torch.device(args.device)
+    shape = _shape(args)
+    dtype = getattr(torch, shape["dtype"])
+    hq, hkv, d = shape["heads_q"], shape["heads_kv"], shape["head_dim"]
+
+    def timeit(fn):
+        fn()
+        if args.device != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=25, rep=200) * 1e-3
+
+    rows = []
+    for tokens in _tokens(args):
+        g = torch.Generator().manual_seed(0)
+        mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype)
+        q, k, v, dout = mk(1, tokens, hq, d), mk(1, tokens, hkv, d), mk(1, tokens, hkv, d), mk(1, tokens, hq, d)
+        out = mk(1, tokens, hq, d)
+        lse = torch.randn(1, hq, tokens, generator=g).to(device) + 8.0
+        dlse = torch.zeros_like(lse)
+        for world in args.per_step:
+            seq = world * tokens
+            for case in args.cases:
+                opts = CASES[case]
+                options = FlashOptions.build(head_dim=d, causal=opts["causal"])
+                schedule = ring_rules.ring_schedule(seq, world, opts["layout"], 0, options.window_left,
+                                                    options.window_right)
+                static = torch_ring._RingStatic(None, world, 0, schedule, len(schedule), options, hq)
+                acc = torch.zeros(1, tokens, hq, d, dtype=torch.float32, device=device)
+                acc_lse = torch.full((1, hq, tokens), float("-inf"), device=device)
+                dq = torch.zeros(q.shape, dtype=torch.float32, device=device)
+                fwd = [timeit(lambda t=t: torch_ring.step_forward(static, t, q, None, [k, v], acc, acc_lse))
+                       for t in range(len(schedule))]
+                bwd = [timeit(lambda t=t: torch_ring.step_backward(static, t, q, None, [k, v], out, lse, dout,
+                                                                   dlse, dq)) for t in range(len(schedule))]
+                # the single-GPU baseline of bench_ring's efficiency, at the same per-GPU work
+                if opts["causal"]:
+                    base, base_dout, base_pairs = [mk(1, seq, h, d) for h in (hq, hkv, hkv)], mk(1, seq, hq, d), \
+                        _pairs(seq, True)
+                else:
+                    base, base_dout, base_pairs = [q, mk(1, seq, hkv, d), mk(1, seq, hkv, d)], dout, \
+                        _pairs(seq, False, tokens)
+                for mode in args.modes:
+                    leaves = [x.clone().requires_grad_(mode != "fwd") for x in base]
+
+                    def flash():
+                        o = flash_attention(*leaves, causal=opts["causal"])
+                        if mode != "fwd":
+                            torch.autograd.grad(o, leaves, base_dout)
+
+                    t_flash = timeit(flash)
+                    t_ring = sum(fwd) + (sum(bwd) if mode != "fwd" else 0.0)
+                    work = lambda pairs, t: _flops(pairs, d, hq, mode) / t
+                    row = dict(framework="torch", world=world, tokens_per_gpu=tokens, case=case, mode=mode,
+                               step_fwd_ms=[t * 1e3 for t in fwd],
+                               step_bwd_ms=[t * 1e3 for t in bwd] if mode != "fwd" else None,
+                               blocks_per_step=[len(b) for b in schedule], ring_compute_ms=t_ring * 1e3,
+                               flash_ms=t_flash * 1e3,
+                               efficiency_ceiling=work(_pairs(seq, opts["causal"]) / world, t_ring)
+                               / work(base_pairs, t_flash))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del base, leaves
+    args.framework = "torch"
+    name = torch.cuda.get_device_name(device) if args.device == "cuda" else platform.processor() or "cpu"
+    date = datetime.date.today().isoformat()
+    args.out = args.out or os.path.join(RESULTS, f"{date}_ring_per_step_torch_{args.device}.json")
+    _write(args, rows, 1, name, dict(torch=torch.__version__))
 
 
 # ----------------------------------------------------------------------------- jax
@@ -523,6 +611,8 @@ def main():
     args = _args()
     if args.plot:
         return _plot(args)
+    if args.per_step:
+        return _torch_per_step(args)
     return (_torch_run if args.framework == "torch" else _jax_run)(args)
 
 

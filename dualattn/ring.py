@@ -195,6 +195,15 @@ def active_steps(schedules) -> int:
     return max(last, 1)
 
 
+def single_launch(schedules, shard_len: int) -> bool:
+    """Whether every rank's whole share is one launch over all its query rows in the first step (world
+    size 1, or a window that never leaves the rank's own shard).  The ring is then that flash launch
+    itself: its output, lse and gradients are the kernel's, with no merge and no fp32 round trip."""
+    if active_steps(schedules) != 1:
+        return False
+    return all(len(s[0]) == 1 and (s[0][0].q_start, s[0][0].q_stop) == (0, shard_len) for s in schedules)
+
+
 # ----------------------------------------------------------------------------- the merge, on arrays
 
 

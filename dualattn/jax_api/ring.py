@@ -10,6 +10,10 @@ static launches.  Partial results merge by their lse in fp32 (dualattn/ring.py).
 Backward (custom_vjp): a second ring.  Each step's launches take the merged out and lse; dQ stays
 home, dK/dV (fp32) travel with their K/V and reach their owner after the last step.  Memory per
 device is O(S / devices).
+
+A rank whose whole share is one launch (world size 1, or a window inside the rank's own shard:
+`ring_rules.single_launch`) runs that flash launch alone, sinks included: flash_attention's numbers
+and speed, with nothing merged.
 """
 from __future__ import annotations
 
@@ -51,13 +55,13 @@ def _block_options(options: FlashOptions, block: ring_rules.RingBlock) -> FlashO
     return dataclasses.replace(options, window_left=None, window_right=None)
 
 
-def _triton_block(q, k, v, q_seg, kv_seg, options, block, deterministic=False):
+def _triton_block(q, k, v, q_seg, kv_seg, options, block, deterministic=False, sinks=None):
     """(static, arrays) of the flash Triton launch of one block (dualattn.jax_api.flash internals)."""
-    shapes = check_flash_args(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    shapes = check_flash_args(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_aux=sinks)
     options = _block_options(options, block)
     static = flash._Static(shapes, options, flash._triton_config(shapes, options, q), block.diag_shift, None,
                            **flash._descriptor_flags(q), deterministic=deterministic)
-    return static, dict(query=q, key=k, value=v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    return static, dict(query=q, key=k, value=v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_aux=sinks)
 
 
 def _xla_positions(block, len_q, len_k):
@@ -135,6 +139,25 @@ def _per_rank(static: _RingStatic, t: int, step_fn, *operands):
     table = jnp.asarray([distinct.index(b) for b in blocks], jnp.int32)
     index = table[lax.axis_index(static.axis_name)]
     return lax.switch(index, [functools.partial(step_fn, b) for b in distinct], *operands)
+
+
+def _single_launch(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks):
+    """(out, lse) of a single-launch ring: the block's differentiable flash call (the triton custom_vjp
+    or the xla function), sinks joined by the kernel."""
+    def launch(blocks, q, k, v, q_seg, kv_seg, sinks):
+        (b,) = blocks
+        k, v, kv_seg = _rows(k, b, True), _rows(v, b, True), _rows(kv_seg, b, True)
+        if static.backend == "triton":
+            return flash._flash_triton(*_triton_block(q, k, v, q_seg, kv_seg, static.options, b,
+                                                      static.deterministic, sinks))
+        from .xla import flash_attention_xla
+        qp, kp = _xla_positions(b, q.shape[1], k.shape[1])
+        return flash_attention_xla(q, k, v, options=_block_options(static.options, b), q_segment_ids=q_seg,
+                                   kv_segment_ids=kv_seg, q_positions=qp, kv_positions=kp, softmax_aux=sinks,
+                                   return_lse=True)
+    if sinks is not None:
+        sinks = vary_like(sinks, q)   # replicated sinks: the transpose of this pvary sums their gradient
+    return _per_rank(static, 0, launch, q, k, v, q_seg, kv_seg, sinks)
 
 
 def _shift(static: _RingStatic, tree, by: int):
@@ -265,5 +288,6 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, slidin
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         q_segment_ids, kv_segment_ids = segment_ids_as_kernel_dtype(q_segment_ids, kv_segment_ids)
-    out, lse = _ring(static, query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
+    run = _single_launch if ring_rules.single_launch(schedules, shapes.seqlen_q) else _ring
+    out, lse = run(static, query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
     return (out, lse) if return_lse else out

@@ -9,6 +9,10 @@ exactly as the JAX ring does.
 
 Backward (autograd.Function): a second ring.  Each step's launches take the merged out and lse; dQ
 stays home, dK/dV (fp32) travel with their K/V and reach their owner after the last step.
+
+A rank whose whole share is one launch (world size 1, or a window inside the rank's own shard:
+`ring_rules.single_launch`) runs that flash launch alone, sinks included: flash_attention's numbers
+and speed, with nothing merged.
 """
 from __future__ import annotations
 
@@ -36,15 +40,16 @@ class _RingStatic:
     options: FlashOptions
     heads_q: int
     deterministic: bool = False
+    single: bool = False     # ring_rules.single_launch: every rank's share is one flash launch
 
 
 def _named(q, k, v, q_seg, kv_seg, options: FlashOptions, block: ring_rules.RingBlock,
-           deterministic: bool = False) -> dict:
+           deterministic: bool = False, sinks: Optional[Tensor] = None) -> dict:
     """The flash op's arguments by name for one block (dualattn.torch_api.flash internals)."""
     if not block.masked:
         options = dataclasses.replace(options, window_left=None, window_right=None)
     named = dict.fromkeys(flash._TENSOR_ARGS)
-    named.update(query=q, key=k, value=v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    named.update(query=q, key=k, value=v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_aux=sinks)
     side = (lambda w: flash._NONE if w is None else w)
     named.update(max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], softmax_scale=options.softmax_scale,
                  window_left=side(options.window_left), window_right=side(options.window_right),
@@ -79,7 +84,48 @@ def _wait(requests) -> None:
         r.wait()
 
 
+def _single_named(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks) -> dict:
+    """The one launch of a single-launch ring (sinks joined by the kernel itself)."""
+    blk = static.schedule[0][0]
+    return _named(q, _rows(k, blk, True), _rows(v, blk, True), q_seg, _rows(kv_seg, blk, True), static.options,
+                  blk, static.deterministic, sinks)
+
+
+def _block_named(static: _RingStatic, blk: ring_rules.RingBlock, q, q_seg, kv) -> dict:
+    return _named(_rows(q, blk, False), _rows(kv[0], blk, True), _rows(kv[1], blk, True), _rows(q_seg, blk, False),
+                  _rows(kv[2] if len(kv) > 2 else None, blk, True), static.options, blk, static.deterministic)
+
+
+def step_forward(static: _RingStatic, t: int, q, q_seg, kv: List[Tensor], acc: Tensor, lse: Tensor) -> None:
+    """Step t's launches on the visiting shard kv = [k, v(, kv_seg)], merged into the fp32 acc / lse in
+    place (also timed alone by benchmarks/bench_ring.py --per-step)."""
+    for blk in static.schedule[t]:
+        out_b, lse_b, _, _ = flash._forward(_block_named(static, blk, q, q_seg, kv))
+        rows = slice(blk.q_start, blk.q_stop)
+        acc[:, rows], lse[:, :, rows] = ring_rules.merge_partial(torch, acc[:, rows], lse[:, :, rows],
+                                                                 out_b.float(), lse_b)
+
+
+def step_backward(static: _RingStatic, t: int, q, q_seg, kv: List[Tensor], out, lse, dout, dlse,
+                  dq: Tensor) -> Tuple[Tensor, Tensor]:
+    """Step t's backward launches from the merged out / lse: dQ added into the fp32 dq in place; returns
+    the visiting shard's fp32 (dK, dV) of this step."""
+    gk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
+    gv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
+    for blk in static.schedule[t]:
+        bq, bk, bv, _, _ = flash._backward(_block_named(static, blk, q, q_seg, kv), _rows(dout, blk, False),
+                                           _rows(out, blk, False), _rows(lse, blk, False, 2),
+                                           _rows(dlse, blk, False, 2))
+        dq[:, blk.q_start:blk.q_stop] += bq.float()
+        gk[:, blk.kv_start:blk.kv_stop] += bk.float()
+        gv[:, blk.kv_start:blk.kv_stop] += bv.float()
+    return gk, gv
+
+
 def _ring_forward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks):
+    if static.single:
+        out, lse, _, _ = flash._forward(_single_named(static, q, k, v, q_seg, kv_seg, sinks))
+        return out, lse
     b, s, hq, _ = q.shape
     acc = q.new_zeros((b, s, hq, v.shape[-1]), dtype=torch.float32)
     lse = q.new_full((b, hq, s), float("-inf"), dtype=torch.float32)
@@ -87,14 +133,7 @@ def _ring_forward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks):
     for t in range(static.steps):
         # The next shard's transfer first: it depends on nothing this step computes.
         nxt, requests = _exchange(static, kv, 1) if t + 1 < static.steps else (None, [])
-        for blk in static.schedule[t]:
-            named = _named(_rows(q, blk, False), _rows(kv[0], blk, True), _rows(kv[1], blk, True),
-                           _rows(q_seg, blk, False), _rows(kv[2] if len(kv) > 2 else None, blk, True),
-                           static.options, blk, static.deterministic)
-            out_b, lse_b, _, _ = flash._forward(named)
-            rows = slice(blk.q_start, blk.q_stop)
-            acc[:, rows], lse[:, :, rows] = ring_rules.merge_partial(torch, acc[:, rows], lse[:, :, rows],
-                                                                     out_b.float(), lse_b)
+        step_forward(static, t, q, q_seg, kv, acc, lse)
         _wait(requests)
         kv = nxt
     if sinks is not None:
@@ -102,7 +141,26 @@ def _ring_forward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks):
     return acc.to(q.dtype), lse
 
 
+def _single_backward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks, out, lse, dout, dlse):
+    blk = static.schedule[0][0]
+    dq, bk, bv, _, dsinks = flash._backward(_single_named(static, q, k, v, q_seg, kv_seg, sinks), dout, out, lse,
+                                            dlse)
+    dk, dv = bk, bv
+    if (blk.kv_start, blk.kv_stop) != (0, k.shape[1]):
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk[:, blk.kv_start:blk.kv_stop], dv[:, blk.kv_start:blk.kv_stop] = bk, bv
+    if sinks is None:
+        dsinks = None
+    elif static.world_size > 1:
+        dsinks = dsinks.float()
+        dist.all_reduce(dsinks, group=static.group)   # sinks are replicated: one gradient for every rank's rows
+        dsinks = dsinks.to(sinks.dtype)
+    return dq, dk, dv, dsinks
+
+
 def _ring_backward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks, out, lse, dout, dlse):
+    if static.single:
+        return _single_backward(static, q, k, v, q_seg, kv_seg, sinks, out, lse, dout, dlse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -111,16 +169,7 @@ def _ring_backward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks, out, lse,
     for t in range(static.steps):
         last = t + 1 == static.steps
         nxt, requests = (None, []) if last else _exchange(static, kv, 1)
-        gk, gv = torch.zeros_like(dk), torch.zeros_like(dv)
-        for blk in static.schedule[t]:
-            named = _named(_rows(q, blk, False), _rows(kv[0], blk, True), _rows(kv[1], blk, True),
-                           _rows(q_seg, blk, False), _rows(kv[2] if len(kv) > 2 else None, blk, True),
-                           static.options, blk, static.deterministic)
-            bq, bk, bv, _, _ = flash._backward(named, _rows(dout, blk, False), _rows(out, blk, False),
-                                               _rows(lse, blk, False, 2), _rows(dlse, blk, False, 2))
-            dq[:, blk.q_start:blk.q_stop] += bq.float()
-            gk[:, blk.kv_start:blk.kv_stop] += bk.float()
-            gv[:, blk.kv_start:blk.kv_stop] += bv.float()
+        gk, gv = step_backward(static, t, q, q_seg, kv, out, lse, dout, dlse, dq)
         _wait(grads_in_flight)   # the visiting shard's dK/dV so far, from the previous rank
         dk, dv = dk + gk, dv + gv
         # dK/dV travel with their K/V; after the last step they go straight home.
@@ -212,7 +261,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
     schedules = [ring_rules.ring_schedule(shapes.seqlen_q * world, world, layout, r, options.window_left,
                                           options.window_right) for r in range(world)]
     static = _RingStatic(group, world, rank, schedules[rank], ring_rules.active_steps(schedules), options,
-                         shapes.heads_q, deterministic)
+                         shapes.heads_q, deterministic, ring_rules.single_launch(schedules, shapes.seqlen_q))
     query, key, value, _, _, q_segment_ids, kv_segment_ids, softmax_aux = flash._normalise(
         query, key, value, None, None, q_segment_ids, kv_segment_ids, softmax_aux)
     key, value = key.contiguous(), value.contiguous()   # sent as they are

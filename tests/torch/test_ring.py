@@ -71,6 +71,8 @@ WORKER = textwrap.dedent("""
                                        **opts)
         g64 = torch.autograd.grad((o64 * dout.double()).sum() + (l64 * dlse.double()).sum(), f64)
         name = f"case {case} rank {rank}"
+        if world == 1:   # one launch: flash_attention's own kernel, nothing merged
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), name + " world 1 is not flash's output"
         assert_close_rel(out, ref_out[:, mine], tol_flash, name + " out vs flash")
         assert_close_rel(lse, ref_lse[:, :, mine], tol_flash, name + " lse vs flash")
         assert_close_rel(out, o64[:, mine], tol_ref, name + " out vs f64")
@@ -124,7 +126,13 @@ def test_ring_two_ranks_gloo(tmp_path):
         dict(layout="zigzag", dtype="float32", causal=True, sinks=(4,)),
         dict(layout="contiguous", dtype="float32", sliding_window=(5, 3), logits_soft_cap=2.0, sinks=(4, 2)),
         dict(layout="zigzag", dtype="bfloat16", segments=True, sinks=(3,), heads=(2, 2)),
+        # every rank's share is one launch (the window stays in its own shard): sinks' gradient summed
+        dict(layout="contiguous", dtype="float32", sliding_window=(0, 0), sinks=(4,)),
     ])
+
+
+def test_ring_world_one_gloo(tmp_path):
+    _run_ring(tmp_path, 1, [dict(layout="zigzag", dtype="bfloat16", causal=True, sinks=(4,), logits_soft_cap=3.0)])
 
 
 @pytest.mark.slow   # four interpreted processes on the CI's two cores: minutes
