@@ -42,15 +42,18 @@ def main(argv=None) -> int:
 
     if args.device == "cuda":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch and jax share the GPU
+    def write(summary: dict) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
     s = fuzz(args.count, seed=args.seed, device=args.device, workers=args.workers, start=args.start,
-             invalid_fraction=args.invalid_fraction)
+             invalid_fraction=args.invalid_fraction, checkpoint=write if args.out else None)
     print(f"{s['configurations']} configurations ({s['valid']} valid, {s['invalid']} invalid) on {s['device_name']}: "
           f"{s['failures_count']} failures, {s['wall_seconds']} s, {s['configs_per_second']} configs/s "
           f"({args.workers} workers; {s['mean_config_seconds']} s per configuration and worker)")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(s, f, indent=1)
+        write(s)
         print(f"wrote {args.out}")
     return 1 if s["failures_count"] else 0
 

@@ -31,7 +31,8 @@ def run_config(c: dict, seed: int, index: int, device: str) -> dict:
         else:
             from .check import check_valid
             from .inputs import make_inputs
-            record["errors"] = check_valid(c, make_inputs(rng_for(seed, index, 1), c), device)
+            record["stage_seconds"] = {}
+            record["errors"] = check_valid(c, make_inputs(rng_for(seed, index, 1), c), device, record["stage_seconds"])
         record["ok"] = True
     except Exception as e:   # every exception is a finding: reported with the configuration that made it
         record.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-6000:],
@@ -114,8 +115,10 @@ def device_name(device: str) -> str:
 
 
 def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0,
-         invalid_fraction: float = INVALID_FRACTION, log: Optional[Callable[[str], None]] = print) -> dict:
-    """Run configurations start .. start+count-1 of `seed`; returns the summary (JSON-able)."""
+         invalid_fraction: float = INVALID_FRACTION, log: Optional[Callable[[str], None]] = print,
+         checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run configurations start .. start+count-1 of `seed`; returns the summary (JSON-able).
+    `checkpoint` receives the summary so far every 50 configurations (a run stopped early keeps them)."""
     log = log or (lambda _: None)
     t0 = time.time()
     jobs = [(seed, i, device, invalid_fraction) for i in range(start, start + count)]
@@ -130,6 +133,9 @@ def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0
             rate = len(records) / (time.time() - t0)
             log(f"{len(records)}/{count} configurations, {sum(not x['ok'] for x in records)} failures, "
                 f"{rate:.2f} configs/s")
+            if checkpoint is not None and len(records) < count:
+                checkpoint(dict(summary(records, seed=seed, device=device, start=start, wall=time.time() - t0,
+                                        workers=workers, invalid_fraction=invalid_fraction), partial=True))
 
     if workers <= 1:
         for job in jobs:
@@ -142,6 +148,16 @@ def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0
     wall = time.time() - t0
     return summary(records, seed=seed, device=device, start=start, wall=wall, workers=workers,
                    invalid_fraction=invalid_fraction)
+
+
+def _mean_stages(records: list) -> dict:
+    """Mean seconds per stage (reference, torch, jax-<backend>) over the valid configurations running it."""
+    totals, counts = collections.Counter(), collections.Counter()
+    for r in records:
+        for stage, t in (r.get("stage_seconds") or {}).items():
+            totals[stage] += t
+            counts[stage] += 1
+    return {stage: round(totals[stage] / counts[stage], 3) for stage in sorted(totals)}
 
 
 def summary(records: list, *, seed: int, device: str, start: int, wall: float, workers: int,
@@ -171,6 +187,7 @@ def summary(records: list, *, seed: int, device: str, start: int, wall: float, w
         "failures_count": len(failures), "workers": workers, "wall_seconds": round(wall, 1),
         "configs_per_second": round(len(records) / wall, 3) if wall else None,
         "mean_config_seconds": round(sum(r["seconds"] for r in records) / max(1, len(records)), 3),
+        "mean_stage_seconds": _mean_stages(records),
         "counts": dict(sorted(counts.items())),
         "max_relative_error": {k: float(f"{v:.3e}") for k, v in sorted(worst.items())},
         "slowest": [{"replay": r["replay"], "seconds": round(r["seconds"], 2), "kind": r["config"]["kind"]}
