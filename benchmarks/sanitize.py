@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     def spy(launch, *a, **kw):
         flags = {n: v for n, v in launch.constexprs if n in (
             "WARP_SPECIALIZE", "PERSISTENT", "SPLIT_BAND", "EDGES_IN_LOOP", "TMA", "BLOCK_SPARSE", "IS_VARLEN",
-            "CAUSAL", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_SOFTCAP", "NUM_SINKS") and v}
+            "CAUSAL", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "SOFTCAP", "NUM_SINKS") and v}
         launched.append(f"{launch.kernel} {flags}")
         return real_run(launch, *a, **kw)
 

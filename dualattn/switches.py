@@ -23,6 +23,8 @@ tests do, in the interpreter).  Each is "0" (off), "1" (on whatever the speed ru
     DUALATTN_FLASH_TUNED    a JSON tile table that overrides plan.TUNED (benchmarks/tune_flash.py)
     DUALATTN_JAX_PTXAS      "triton": the JAX launcher assembles with Triton's ptxas
                             (jax_api/ptxas.py)
+    DUALATTN_FAST_TANH      "0": 16-bit soft-capped launches on a GPU use the exp2 tanh, not the
+                            hardware tanh.approx (plan.softcap_mode)
 
 Read once: a plan depends on them, and the launchers' memo of planned calls keys on `current()`,
 one hashable value, instead of reading ten variables per call.  Tests and benchmarks change them
@@ -37,7 +39,7 @@ from typing import Optional, Tuple
 
 VARIABLES = ("DUALATTN_WS", "DUALATTN_TMA", "DUALATTN_PERSISTENT", "DUALATTN_WS_BAND", "DUALATTN_EDGES_IN_LOOP",
              "DUALATTN_GLUON_FWD", "DUALATTN_ONE_PASS", "DUALATTN_NUM_SMS", "DUALATTN_FLASH_TUNED",
-             "DUALATTN_JAX_PTXAS")
+             "DUALATTN_JAX_PTXAS", "DUALATTN_FAST_TANH")
 
 
 @dataclasses.dataclass(frozen=True)

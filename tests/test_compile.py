@@ -67,6 +67,7 @@ class Variant:
     lse_grad: bool = False              # the backward takes an lse cotangent (always, from JAX)
     ws: bool = False                    # allow the warp-specialised kernels, as the launchers do on sm_90
     num_sms: int = 0                    # the GPU's SMs as the launchers pass them (persistent launches)
+    hardware_tanh: bool = True          # as every GPU launch is planned (fit.py): 16-bit soft caps take tanh.approx
 
     def inputs(self):
         """(stand-ins for the arrays a front end passes, max_seqlen_q, max_seqlen_k)."""
@@ -125,10 +126,11 @@ class Variant:
             extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
         fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma,
-                                      warp_specialize=self.ws, num_sms=self.num_sms, **extra)
+                                      warp_specialize=self.ws, num_sms=self.num_sms, hardware_tanh=self.hardware_tanh,
+                                      **extra)
         bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
                                        lse_grad=self.lse_grad, warp_specialize=self.ws, num_sms=self.num_sms,
-                                       **extra)
+                                       hardware_tanh=self.hardware_tanh, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
                       resume_out=self.dtype, resume_lse="float32",   # a split band's edges launch
                       segment_ranges="int32")                        # (segments.py)
@@ -165,6 +167,8 @@ FAST = (
     Variant("bf16-d128-causal-wideband", sq=4096, sk=4096, causal=True),
     Variant("fp16-d64-gqa-leftwindow-softcap-bcastbias-wideband", dtype="float16", d=64, hq=4, hkv=2, sq=4096, sk=4096,
             window=(3000, 0), softcap=30.0, bias="bcast"),
+    # the soft cap's exp2 tanh, as DUALATTN_FAST_TANH=0 runs it on a GPU
+    Variant("bf16-d128-causal-softcap-exp2", causal=True, softcap=30.0, hardware_tanh=False),
 )
 
 # ---- slow tier: each option alone (bf16, D=128), and each (dtype, head dims) with no option ----
@@ -555,3 +559,18 @@ def test_plan_kernel_mismatch_is_reported():
     broken = dataclasses.replace(fwd, scalars=fwd.scalars[1:])
     with pytest.raises(ValueError, match="flash_fwd_kernel"):
         compile_check.signature_of(broken, dtypes)
+
+
+def test_softcap_mode_per_launch(monkeypatch):
+    """16-bit soft caps on a GPU take the hardware tanh; fp32, the interpreter and the switch take exp2."""
+    from dualattn.kernels.flash import rules
+    mode = lambda v: v.launch("fwd", 90)[0].constexpr_dict["SOFTCAP"]  # noqa: E731
+    assert mode(Variant("bf16", softcap=30.0)) == rules.SOFTCAP_MUFU
+    assert mode(Variant("fp32", dtype="float32", softcap=30.0)) == rules.SOFTCAP_EXP2
+    assert mode(Variant("interp", softcap=30.0, hardware_tanh=False)) == rules.SOFTCAP_EXP2
+    assert mode(Variant("none")) == rules.SOFTCAP_NONE
+    set_switch(monkeypatch, "DUALATTN_FAST_TANH", "0")
+    assert mode(Variant("bf16-switch-off", softcap=30.0)) == rules.SOFTCAP_EXP2
+    monkeypatch.undo()
+    assert Variant("ws", sq=256, sk=4096, softcap=50.0, ws=True).launch("fwd", 90)[0].constexpr_dict["SOFTCAP"] == \
+        rules.SOFTCAP_MUFU

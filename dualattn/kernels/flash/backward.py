@@ -83,7 +83,7 @@ def flash_bwd_preprocess_kernel(
 def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW,
                    bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right,
                    sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                   SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr,
                    IN_BOUNDS: tl.constexpr, edge, EDGES_IN_LOOP: tl.constexpr):
     """Recompute probabilities and the soft-cap derivative 1 - tanh^2 from the raw q.k tile.
@@ -94,9 +94,9 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
     bias = 0.0
     if HAS_BIAS:
         bias = load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, TRANSPOSED)
-    s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+    s = logits(qk, bias, sm_scale, softcap, HAS_BIAS, SOFTCAP)
     cap_grad = 1.0
-    if HAS_SOFTCAP:
+    if SOFTCAP:
         t = s * (LN2 / softcap)  # tanh(z / cap), read back from the capped score
         cap_grad = 1.0 - t * t
     if EDGES_IN_LOOP:
@@ -118,7 +118,7 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
 def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
                  bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
                  dropout_threshold, dropout_scale, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr, IN_BOUNDS: tl.constexpr,
                  edge, EDGES_IN_LOOP: tl.constexpr):
@@ -131,7 +131,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
     p, cap_grad = _probabilities(tl.dot(x, tl.trans(y), input_precision=DOT_PRECISION), offs_m, offs_n, lse,
                                  q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW, bias_stride_s, mask_stride_s,
                                  seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap, POSITIONAL,
-                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, TRANSPOSED,
+                                 HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, TRANSPOSED,
                                  HAS_POSITIONS, IN_BOUNDS, edge, EDGES_IN_LOOP)
     dp = tl.dot(dx, tl.trans(dy), input_precision=DOT_PRECISION)
     p_dropped = p
@@ -150,7 +150,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
                 dropout_seed, dropout_threshold, dropout_scale,
                 POSITIONAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
                 SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
@@ -179,7 +179,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
         p_t, p_dropped, dp_t, cap_grad = _score_grads(  # [BLOCK_N, BLOCK_M] each
             k, q, v, do, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
-            dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
+            dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
             HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS, WARP_SPECIALIZE,  # (plan: tiles inside)
             ((start_m < full_lo) | (start_m >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -210,7 +210,7 @@ def flash_bwd_dkdv_kernel(
     DK, DV, DBIAS, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
@@ -333,7 +333,7 @@ def flash_bwd_dkdv_kernel(
                             q_len, mask_seqlen_k, mask_diag, window_left, window_right, sm_scale, softcap,
                             dropout_seed, dropout_threshold, dropout_scale,
                             segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                            BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT,
+                            BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT,
                             DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE,
                             EDGES_IN_LOOP)
             dk = dk * sm_scale
@@ -362,7 +362,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, ful
               dropout_threshold, dropout_scale,
               POSITIONAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
               SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
@@ -382,7 +382,7 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, ful
         p, _, dp, cap_grad = _score_grads(  # [BLOCK_M, BLOCK_N] each
             q, k, do, v, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
-            dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
+            dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
             HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS, WARP_SPECIALIZE,  # (plan: tiles inside)
             ((start_n < full_lo) | (start_n >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP)
         dz = p * (dp - delta[:, None]) * cap_grad
@@ -408,7 +408,7 @@ def flash_bwd_dq_kernel(
     DQ, DESC_SCRATCH,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
@@ -516,7 +516,7 @@ def flash_bwd_dq_kernel(
                                    mask_seqlen_q, k_len, mask_diag, window_left, window_right, sm_scale, softcap,
                                    dropout_threshold, dropout_scale,
                                    segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_MASK,
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
                                    HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS,
                                    HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
             dq = dq * sm_scale

@@ -67,6 +67,7 @@ def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sha
             specialize: str = "torch", **plan_kwargs) -> Launch:
     """plan.plan_forward, with config.fwd made smaller until every portable launch fits."""
     config = _start(config, plan_kwargs)
+    plan_kwargs.setdefault("hardware_tanh", True)   # (every launch planned here runs on the GPU)
     # (a split band's edges launch resumes from the interior's out and lse)
     dtypes = {**dtypes, "resume_out": dtypes["query"], "resume_lse": "float32", "segment_ranges": "int32"}
     launch = None
@@ -83,6 +84,7 @@ def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sh
     """plan.plan_backward, with config.bwd_dkdv and config.bwd_dq made smaller (each on its own) until
     both portable launches fit."""
     config = _start(config, plan_kwargs)
+    plan_kwargs.setdefault("hardware_tanh", True)
     dkdv_tiles, dq_tiles = smaller_tiles(config.bwd_dkdv), smaller_tiles(config.bwd_dq)
     dkdv, dq = next(dkdv_tiles), next(dq_tiles)
     plan = None

@@ -87,7 +87,7 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
 
 def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
     """What the Gluon kernels need: the warp-specialised kernels' conditions and no soft cap."""
-    return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["HAS_SOFTCAP"]
+    return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["SOFTCAP"]
 
 
 def split_band(shapes: FlashShapes, constexprs) -> bool:

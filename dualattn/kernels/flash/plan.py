@@ -22,8 +22,11 @@ from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILE, GLUON_FWD
                      gluon_allowed, gluon_forward, one_pass_backward, one_pass_persistent, persistent_backward,
                      persistent_forward, split_band, split_band_pays, tma_requested, warp_specialize_requested,
                      warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
+from . import rules
 from .tiles import (SHORT_SEQ_BUCKETS, TUNED, TUNED_FILE_ENV, FlashConfig, SparseInfo, TileConfig,  # noqa: F401
                     default_config, tuned_key)
+
+FAST_TANH_ENV = "DUALATTN_FAST_TANH"   # "0": the soft cap's exp2 tanh on the GPU too (softcap_mode)
 
 SPARSE_INPUTS = ("sparse_kv_count", "sparse_kv_index", "sparse_q_order", "sparse_q_count", "sparse_q_index",
                  "sparse_k_order")
@@ -52,8 +55,20 @@ def _sparse_scalars(sparse: Optional[SparseInfo]):
             ("sparse_kstride_h", nk if per_head else 0), ("num_q_blocks", nq), ("num_k_blocks", nk))
 
 
+def softcap_mode(shapes: FlashShapes, options: FlashOptions, hardware_tanh: bool,
+                 env: switches.Switches = switches.Switches()) -> int:
+    """The SOFTCAP constexpr (rules.capped_tanh): none; the GPU's tanh.approx for 16-bit inputs on a GPU
+    (hardware_tanh: the launch runs on an NVIDIA GPU, not the interpreter), unless DUALATTN_FAST_TANH=0;
+    else the exp2 form, accurate to fp32."""
+    if options.logits_soft_cap is None:
+        return rules.SOFTCAP_NONE
+    if hardware_tanh and shapes.dtype in ("float16", "bfloat16") and env.get(FAST_TANH_ENV) != "0":
+        return rules.SOFTCAP_MUFU
+    return rules.SOFTCAP_EXP2
+
+
 def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]],
-                    diag_shift: int, sparse: Optional[SparseInfo] = None):
+                    diag_shift: int, sparse: Optional[SparseInfo] = None, softcap: int = 0):
     varlen = shapes.varlen
     qb, qs, qh = _seq_strides(strides["query"], varlen)
     kb, ks, kh = _seq_strides(strides["key"], varlen)
@@ -104,7 +119,7 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("BLOCK_D", max(16, next_pow2(shapes.head_dim))), ("BLOCK_DV", max(16, next_pow2(shapes.head_dim_v))),
         ("STRIDES_ALIGNED", aligned),
         ("HAS_LEFT", options.window_left is not None), ("HAS_RIGHT", options.window_right is not None),
-        ("HAS_SOFTCAP", options.logits_soft_cap is not None), ("HAS_BIAS", shapes.has_bias),
+        ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
         ("HAS_MASK", shapes.has_mask), ("HAS_SEGMENTS", shapes.has_segments),
         ("NUM_SINKS", shapes.num_sinks), ("BLOCK_SINKS", max(2, next_pow2(shapes.num_sinks))),
         ("HAS_DROPOUT", p > 0.0), ("IS_VARLEN", shapes.varlen),
@@ -226,7 +241,7 @@ def environment() -> switches.Switches:
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                  tma: bool = False, warp_specialize: bool = False, num_sms: int = 0, gluon: bool = False,
-                 env: switches.Switches = switches.Switches()) -> Launch:
+                 hardware_tanh: bool = False, env: switches.Switches = switches.Switches()) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -236,10 +251,13 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     WS_TILE in place of config.fwd; where split_band, the returned launch's `then` finishes the
     masked edges, resuming from its out and lse (FWD_RESUME).  `num_sms`: the GPU's SM count, for
     a persistent warp-specialised launch (persistent_forward; 0: never persistent).  `gluon`: as
-    plan_backward's; problems gluon_forward accepts then get the Gluon forward.
+    plan_backward's; problems gluon_forward accepts then get the Gluon forward.  `hardware_tanh`: the
+    launch runs on an NVIDIA GPU (fit.py plans every GPU launch): the soft cap may use its tanh
+    (softcap_mode).
     """
     config = sparse.config(config) if sparse is not None else config
-    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
+    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
+                                          softcap_mode(shapes, options, hardware_tanh, env))
     switch = env
     if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
         return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms)
@@ -329,7 +347,7 @@ class BackwardPlan:
 def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
-                  gluon: bool = False, deterministic: bool = False,
+                  gluon: bool = False, deterministic: bool = False, hardware_tanh: bool = False,
                   env: switches.Switches = switches.Switches()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
@@ -342,9 +360,11 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     pass dkdv's results to dq.
     deterministic: no one-pass backward (its dQ tiles meet in fp32 atomics, in varying order); the
     two-pass kernels write every gradient tile from one program, so reruns are bitwise equal.
+    hardware_tanh: as plan_forward's.
     """
     config = sparse.config(config) if sparse is not None else config
-    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse)
+    scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
+                                          softcap_mode(shapes, options, hardware_tanh, env))
     scalar = dict(scalars)
     varlen = shapes.varlen
     const = dict(constexprs)

@@ -210,22 +210,38 @@ def load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, TRANS
                    mask=(mi < seqlen_q) & (nj < seqlen_k), other=0.0).to(tl.float32)
 
 
-@triton.jit
-def tanh(x):
-    # Portable (interpreter, sm_80, sm_90): no libdevice.  Saturates cleanly at +-1.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+# SOFTCAP constexpr: how the scores are capped.
+SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_MUFU = 0, 1, 2
 
 
 @triton.jit
-def logits(qk, bias, sm_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """Scores in log2 units: ((qk * scale + bias) -> cap * tanh(. / cap)) * log2(e)."""
-    if HAS_BIAS or HAS_SOFTCAP:
-        s = qk * sm_scale
+def capped_tanh(x, SOFTCAP: tl.constexpr):
+    """tanh(x).  SOFTCAP_MUFU: the GPU's tanh.approx.f32, one MUFU operation (relative error about
+    2^-11, below 16-bit rounding of P; FA3 caps with it too).  SOFTCAP_EXP2: 1 - 2 / (2^(2x log2 e) + 1),
+    an ex2 and an approximate reciprocal, accurate to fp32 rounding, saturating cleanly at +-1; the
+    interpreter (no inline PTX), fp32 inputs and other GPUs run it."""
+    if SOFTCAP == 2:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def logits(qk, bias, sm_scale, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores in log2 units: ((qk * scale + bias) -> cap * tanh(. / cap)) * log2(e).
+
+    The soft cap's constants are folded into one multiply before and one after the tanh (the scalar
+    divisions run once per program): a per-score division is a MUFU reciprocal, and MUFU throughput
+    is what bounds a capped kernel (benchmarks/NOTES.md)."""
+    if SOFTCAP:
         if HAS_BIAS:
-            s = s + bias
-        if HAS_SOFTCAP:
-            s = softcap * tanh(s / softcap)
-        s = s * LOG2E
+            x = (qk * sm_scale + bias) * (1.0 / softcap)
+        else:
+            x = qk * (sm_scale / softcap)
+        s = capped_tanh(x, SOFTCAP) * (softcap * LOG2E)
+    elif HAS_BIAS:
+        s = (qk * sm_scale + bias) * LOG2E
     else:
         s = qk * (sm_scale * LOG2E)
     return s
