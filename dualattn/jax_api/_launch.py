@@ -91,6 +91,11 @@ def _run(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
 
 def _run_one(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     first = next(iter(arrays.values()))
+    if 0 in launch.grid:
+        # No program runs (an empty batch, no queries): the outputs hold what they hold before a launch.
+        # (CUDA rejects an empty grid, which Triton's own launcher skips but jax-triton passes on.)
+        return {o.name: jnp.full(o.shape, o.fill if o.zeroed else 0, _out_dtype(o.dtype, arrays))
+                for o in launch.results}
     if _on_gpu(first):
         jt = _import_jax_triton()
         kernel = _interpret.kernel(launch.module, launch.kernel, interpret=False)
