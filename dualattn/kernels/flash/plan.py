@@ -67,6 +67,18 @@ def softcap_mode(shapes: FlashShapes, options: FlashOptions, hardware_tanh: bool
     return rules.SOFTCAP_EXP2
 
 
+def value_block(head_dim_v: int, block_d: int, aligned: bool) -> int:
+    """BLOCK_DV: V's head dim padded to a power of two, but never a tile of 32 columns or fewer
+    narrower than q/k's when row strides are not 16-aligned: Triton 3.6 miscompiles that portable
+    kernel on sm_90 (wrong outputs, or illegal addresses, at D = 20-72 with Dv = 16-32; found by
+    the GPU fuzz, benchmarks/NOTES.md "Narrow V tiles").  Such a V tile is widened to min(BLOCK_D,
+    64) columns; the kernels mask the padding (BLOCK_DV != HEAD_DIM_V)."""
+    block_dv = max(16, next_pow2(head_dim_v))
+    if not aligned and block_dv <= 32 and block_dv < block_d:
+        block_dv = min(block_d, 64)
+    return block_dv
+
+
 def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]],
                     diag_shift: int, sparse: Optional[SparseInfo] = None, softcap: int = 0):
     varlen = shapes.varlen
@@ -114,9 +126,10 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
     )
     # Every q/k/v/o stride divisible by 16 elements lets the kernels vectorise row loads.
     aligned = all(s % 16 == 0 for s in (qb, qs, qh, kb, ks, kh, vb, vs, vh, ob, os_, oh))
+    block_d = max(16, next_pow2(shapes.head_dim))
     constexprs = (
         ("HEAD_DIM", shapes.head_dim), ("HEAD_DIM_V", shapes.head_dim_v),
-        ("BLOCK_D", max(16, next_pow2(shapes.head_dim))), ("BLOCK_DV", max(16, next_pow2(shapes.head_dim_v))),
+        ("BLOCK_D", block_d), ("BLOCK_DV", value_block(shapes.head_dim_v, block_d, aligned)),
         ("STRIDES_ALIGNED", aligned),
         ("HAS_LEFT", options.window_left is not None), ("HAS_RIGHT", options.window_right is not None),
         ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
