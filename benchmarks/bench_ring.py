@@ -295,7 +295,7 @@ def _torch_per_step(args):
     name = torch.cuda.get_device_name(device) if args.device == "cuda" else platform.processor() or "cpu"
     date = datetime.date.today().isoformat()
     args.out = args.out or os.path.join(RESULTS, f"{date}_ring_per_step_torch_{args.device}.json")
-    _write(args, rows, 1, name, dict(torch=torch.__version__))
+    _write(args, rows, 1, name, dict(torch=torch.__version__), benchmark="ring-per-step")
 
 
 # ----------------------------------------------------------------------------- jax
@@ -558,7 +558,7 @@ def _jax_profile(args, mesh, world, dtype, shape):
 # ----------------------------------------------------------------------------- output
 
 
-def _write(args, rows, world, device_name, versions):
+def _write(args, rows, world, device_name, versions, benchmark="ring"):
     import triton
 
     import dualattn
@@ -568,7 +568,7 @@ def _write(args, rows, world, device_name, versions):
                                     f"{'_quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(dict(benchmark="ring", date=date, device=device_name, world=world, versions=versions,
+        json.dump(dict(benchmark=benchmark, date=date, device=device_name, world=world, versions=versions,
                        shape=_shape(args), rows=rows), f, indent=1)
     print("wrote", path)
 
