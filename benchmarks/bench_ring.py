@@ -54,7 +54,7 @@ def _args():
     p.add_argument("--out", help="JSON path (default under benchmarks/results/)")
     p.add_argument("--plot", action="store_true", help="plot efficiency vs world size from the JSON results")
     p.add_argument("--profile", action="store_true", help="profile fwd+bwd of the first case (see above)")
-    p.add_argument("--per-step", type=int, nargs="*", metavar="W",
+    p.add_argument("--per-step", type=int, nargs="+", metavar="W",
                    help="torch, one GPU: time rank 0's ring steps for world sizes W (see above)")
     return p.parse_args()
 

@@ -43,9 +43,11 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch and jax share the GPU
     def write(summary: dict) -> None:
+        # Whole files only: a run killed mid-write keeps its previous checkpoint.
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        with open(args.out + ".tmp", "w") as f:
             json.dump(summary, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
 
     s = fuzz(args.count, seed=args.seed, device=args.device, workers=args.workers, start=args.start,
              invalid_fraction=args.invalid_fraction, checkpoint=write if args.out else None)

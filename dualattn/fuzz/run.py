@@ -134,8 +134,11 @@ def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0
             log(f"{len(records)}/{count} configurations, {sum(not x['ok'] for x in records)} failures, "
                 f"{rate:.2f} configs/s")
             if checkpoint is not None and len(records) < count:
-                checkpoint(dict(summary(records, seed=seed, device=device, start=start, wall=time.time() - t0,
-                                        workers=workers, invalid_fraction=invalid_fraction), partial=True))
+                try:
+                    checkpoint(dict(summary(records, seed=seed, device=device, start=start, wall=time.time() - t0,
+                                            workers=workers, invalid_fraction=invalid_fraction), partial=True))
+                except OSError as e:   # a full disk costs the checkpoint, not the run
+                    log(f"checkpoint not written: {e}")
 
     if workers <= 1:
         for job in jobs:

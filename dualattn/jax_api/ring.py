@@ -29,7 +29,7 @@ from .. import ring as ring_rules
 from ..options import FlashOptions
 from ..validation import check_flag, check_flash_args
 from . import flash
-from ._vma import vary_like, varying_axes
+from ._vma import vary_like
 from .mask import segment_ids_as_kernel_dtype
 
 RING_BACKENDS = ("auto", "triton", "xla")
@@ -155,8 +155,6 @@ def _single_launch(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks):
         return flash_attention_xla(q, k, v, options=_block_options(static.options, b), q_segment_ids=q_seg,
                                    kv_segment_ids=kv_seg, q_positions=qp, kv_positions=kp, softmax_aux=sinks,
                                    return_lse=True)
-    if sinks is not None:
-        sinks = vary_like(sinks, q)   # replicated sinks: the transpose of this pvary sums their gradient
     return _per_rank(static, 0, launch, q, k, v, q_seg, kv_seg, sinks)
 
 
@@ -214,9 +212,8 @@ def _ring_bwd(static, residuals, cotangents):
     if sinks is not None:
         delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1).transpose(0, 2, 1) - dlse
         dsinks = ring_rules.sinks_grad(jnp, sinks.astype(jnp.float32), static.heads_q, lse, delta)
-        if static.axis_name not in varying_axes(sinks):
-            # Sinks replicated over the ring: every device's rows contribute to their one gradient.
-            dsinks = lax.psum(dsinks, static.axis_name)
+        # (This device's rows' share: ring_attention made replicated sinks vary over the axis, and
+        # shard_map's transpose of that sums the shares.)
         dsinks = vary_like(dsinks, sinks).astype(sinks.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
 
@@ -288,6 +285,10 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, slidin
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         q_segment_ids, kv_segment_ids = segment_ids_as_kernel_dtype(q_segment_ids, kv_segment_ids)
+    if softmax_aux is not None:
+        # Replicated sinks join every device's rows: as a value varying over the axis, their gradient is
+        # summed over the devices by the transpose (pvary's psum; with check_vma off, shard_map's own).
+        softmax_aux = vary_like(softmax_aux, query)
     run = _single_launch if ring_rules.single_launch(schedules, shapes.seqlen_q) else _ring
     out, lse = run(static, query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
     return (out, lse) if return_lse else out

@@ -85,10 +85,11 @@ def _wait(requests) -> None:
 
 
 def _single_named(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks) -> dict:
-    """The one launch of a single-launch ring (sinks joined by the kernel itself)."""
+    """The one launch of a single-launch ring (sinks joined by the kernel itself, as fp32: their
+    gradient then reaches the group's all_reduce unrounded and is cast once)."""
     blk = static.schedule[0][0]
     return _named(q, _rows(k, blk, True), _rows(v, blk, True), q_seg, _rows(kv_seg, blk, True), static.options,
-                  blk, static.deterministic, sinks)
+                  blk, static.deterministic, None if sinks is None else sinks.float())
 
 
 def _block_named(static: _RingStatic, blk: ring_rules.RingBlock, q, q_seg, kv) -> dict:
@@ -151,9 +152,9 @@ def _single_backward(static: _RingStatic, q, k, v, q_seg, kv_seg, sinks, out, ls
         dk[:, blk.kv_start:blk.kv_stop], dv[:, blk.kv_start:blk.kv_stop] = bk, bv
     if sinks is None:
         dsinks = None
-    elif static.world_size > 1:
-        dsinks = dsinks.float()
-        dist.all_reduce(dsinks, group=static.group)   # sinks are replicated: one gradient for every rank's rows
+    else:
+        if static.world_size > 1:
+            dist.all_reduce(dsinks, group=static.group)   # sinks are replicated: one gradient for every rank's rows
         dsinks = dsinks.to(sinks.dtype)
     return dq, dk, dv, dsinks
 

@@ -124,8 +124,26 @@ SCRIPT = textwrap.dedent("""
         assert errors[4] <= 1.5 * errors[2] and errors[2] <= 3 * errors[1], errors
         print("precision", errors)
 
+    def sinks_gradient_without_vma_checks():
+        # Replicated sinks' gradient sums every device's rows once, with shard_map's checks on or off.
+        rng = np.random.default_rng(5)
+        q = jnp.asarray(rng.standard_normal((1, 32, 4, 16)), jnp.float32)
+        k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(2))
+        sinks = jnp.asarray(rng.standard_normal((4,)), jnp.float32)
+        perm = dualattn.ring_permutation(32, 4, "zigzag")
+        mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+        want = jax.grad(lambda s: (dj.flash_attention(q, k, v, causal=True, softmax_aux=s, backend="xla") ** 2).sum())(sinks)
+        for check in (True, False):
+            ring = jax.shard_map(lambda a, b, c, s: dj.ring_attention(a, b, c, axis_name="sp", causal=True, softmax_aux=s,
+                                                                      backend="xla"),
+                                 mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),), out_specs=P(None, "sp"),
+                                 check_vma=check)
+            got = jax.grad(lambda s: (ring(q[:, perm], k[:, perm], v[:, perm], s) ** 2).sum())(sinks)
+            assert_close_rel(got, want, 1e-5, f"dsinks check_vma={check}")
+
     if sys.argv[2] == "xla":
         precision_over_world_sizes()
+        sinks_gradient_without_vma_checks()
 
     # bad input: an unbound axis, a sequence zigzag cannot split
     x = jnp.zeros((1, 8, 2, 16))

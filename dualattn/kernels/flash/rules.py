@@ -217,7 +217,8 @@ SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_MUFU = 0, 1, 2
 @triton.jit
 def capped_tanh(x, SOFTCAP: tl.constexpr):
     """tanh(x).  SOFTCAP_MUFU: the GPU's tanh.approx.f32, one MUFU operation (relative error about
-    2^-11, below 16-bit rounding of P; FA3 caps with it too).  SOFTCAP_EXP2: 1 - 2 / (2^(2x log2 e) + 1),
+    2^-11: a capped score is off by up to cap * 2^-11, which is bf16's rounding of P at cap 8 and 2.4%
+    of P at cap 50; FA3 caps with it too).  SOFTCAP_EXP2: 1 - 2 / (2^(2x log2 e) + 1),
     an ex2 and an approximate reciprocal, accurate to fp32 rounding, saturating cleanly at +-1; the
     interpreter (no inline PTX), fp32 inputs and other GPUs run it."""
     if SOFTCAP == 2:
