@@ -95,6 +95,9 @@ def _cases() -> List[Case]:
         cases += [Case(f"docs{d}", 1, 16384, H, D, True, documents=8),
                   Case(f"docs_varlen{d}", 1, 16384, H, D, True, entry="varlen", documents=8)]
     cases += [Case("window_causal", 2, 8192, 16, 128, True, window=1024),
+              Case("window_causal_d64", 2, 8192, 32, 64, True, window=1024),
+              # GPT-OSS's sliding layers: a 128-token window with a sink per head
+              Case("window_sinks_d64", 2, 8192, 32, 64, True, sinks=True, window=128),
               Case("plain_d256", 2, 4096, 8, 256, False),
               Case("dropout", 2, 4096, 16, 128, False, dropout=DROPOUT),
               Case("bias", 2, 4096, 16, 128, False, bias=True),

@@ -17,7 +17,7 @@ from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from plan_spy import spy_kernels  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
-from test_one_pass import check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
+from test_one_pass import WINDOW_CASES, check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
 
 GLUON_FWD = "flash_fwd_gluon_kernel"
 
@@ -51,25 +51,37 @@ def test_plan_takes_the_gluon_forward():
     full = _plan()
     assert full.kernel == GLUON_FWD and not full.constexpr_dict["CAUSAL"]
     assert dict(full.scalars)["num_work"] == 64   # non-causal: a query tile per item
+    # sinks join after the loop; a causal sliding window (Mistral, GPT-OSS) narrows each tile's keys
+    sinks = _plan(causal=True, sinks=True)
+    assert sinks.kernel == GLUON_FWD and sinks.constexpr_dict["NUM_SINKS"] == 1 and "softmax_aux" in sinks.inputs
+    window = _plan(sliding_window=(100, 0), sinks=True)
+    assert window.kernel == GLUON_FWD
+    assert (window.constexpr_dict["CAUSAL"], window.constexpr_dict["WINDOW"]) == (True, True)
+    assert dict(window.scalars)["window_left"] == 100
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
-    for kwargs in (dict(gluon=False), dict(sinks=True), dict(sliding_window=(64, 0)), dict(bias=True), dict(d=96),
+    for kwargs in (dict(gluon=False), dict(bias=True), dict(d=96),
                    dict(dtype="float32"), dict(logits_soft_cap=5.0), dict(dropout_prob=0.1),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
+    for window in ((64, None), (64, 64), (None, 64)):   # windows other than causal or causal with a left side
+        assert _plan(sliding_window=window).kernel == "flash_fwd_kernel", window
     set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "0")
     assert _plan(causal=True).kernel == "flash_fwd_kernel"
     assert _plan().kernel == "flash_fwd_kernel"
 
 
-@pytest.mark.parametrize("d, causal, hq, hkv, dtype, sk", [
-    (128, True, 4, 4, "bfloat16", 1024), (128, False, 8, 2, "bfloat16", 1024), (64, True, 8, 2, "float16", 1024),
-    (64, False, 4, 4, "bfloat16", 1000), (128, True, 4, 2, "bfloat16", 1000)])
-def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk):
+@pytest.mark.parametrize("d, causal, hq, hkv, dtype, sk, extra", [
+    (128, True, 4, 4, "bfloat16", 1024, {}), (128, False, 8, 2, "bfloat16", 1024, {}),
+    (64, True, 8, 2, "float16", 1024, {}), (64, False, 4, 4, "bfloat16", 1000, {}),
+    (128, True, 4, 2, "bfloat16", 1000, {}), (128, False, 4, 4, "bfloat16", 1024, dict(sinks=True)),
+    (64, False, 4, 2, "bfloat16", 1000, dict(sliding_window=(200, 0), sinks=True))])
+def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
     """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store."""
-    launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk)
+    launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk, **extra)
     assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
-    compiled = compile_check.compile_launch(launch, dict.fromkeys(("query", "key", "value"), dtype), arch=90)
+    compiled = compile_check.compile_launch(
+        launch, {**dict.fromkeys(("query", "key", "value"), dtype), "softmax_aux": "float32"}, arch=90)
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.num_warps == 12
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
@@ -93,6 +105,12 @@ GPU_CASES = {
     "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7"),
     "d128-fp16-scale": dict(b=1, sq=768, sk=2048, hq=2, hkv=2, d=128, opts=dict(causal=True, softmax_scale=0.05),
                             dtype=torch.float16),
+    # sinks join after the loop
+    "d128-causal-sinks": dict(b=2, sq=1024, sk=1024, hq=4, hkv=2, d=128, opts=dict(causal=True), sinks=True),
+    "d64-sinks-ragged": dict(b=1, sq=1000, sk=1100, hq=4, hkv=4, d=64, opts={}, sinks=True),
+    **WINDOW_CASES,
+    "d128-window-3-programs": dict(b=1, sq=896, sk=896, hq=2, hkv=2, d=128, opts=dict(sliding_window=(100, 0)),
+                                   num_sms="3"),
 }
 
 
@@ -102,5 +120,31 @@ def test_gpu_gluon_forward(case, monkeypatch, seed):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     kernels = spy_kernels(monkeypatch, "plan_forward")
-    check_gpu_case(monkeypatch, GPU_CASES[case], seed, {})
+    check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"persistent": flash_plan.PERSISTENT_ENV})
     assert kernels == [GLUON_FWD], kernels
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_forward_sink_values(monkeypatch, seed):
+    """Sinks of -inf (switched off), +inf (take the row whole: O = 0, lse = +inf), several per head
+    and shared by all heads, in the Gluon forward, against the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(1, 1024, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    per_head = torch.randn(4, 3, device="cuda", generator=gen)
+    per_head[0] = float("-inf")
+    per_head[1, 1] = float("inf")
+    per_head[2, 0] = float("-inf")
+    for sinks in (per_head, torch.randn(3, device="cuda", generator=gen) + 4.0):
+        kernels = spy_kernels(monkeypatch, "plan_forward")
+        out, lse = flash_attention(q, k, v, causal=True, softmax_aux=sinks, return_lse=True)
+        assert kernels == [GLUON_FWD], kernels
+        ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal=True, softmax_aux=sinks)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert_close_rel(out, ref_out, 1e-2, "out")
+        assert torch.equal(lse == float("inf"), ref_lse == float("inf"))
+        finite = torch.isfinite(ref_lse)
+        assert_close_rel(lse[finite], ref_lse[finite], 1e-2, "lse")

@@ -75,7 +75,8 @@ def test_plan_takes_the_one_pass_backward_where_it_applies():
     ("no Gluon launcher (JAX, CPU)", dict(gluon=False)),
     ("head dim 96", dict(d=96)),
     ("fp32", dict(dtype="float32")),
-    ("window", dict(sliding_window=(256, 0))),
+    ("window with a right side", dict(sliding_window=(256, 256))),
+    ("left window, not causal", dict(sliding_window=(256, None))),
     ("bias", dict(bias=True)),
     ("soft cap", dict(logits_soft_cap=20.0)),
     ("lse rows not 16-byte aligned", dict(sq=1022, sk=1022)),
@@ -123,15 +124,18 @@ def test_causal_persistent_work_items_are_pairs_of_key_tiles():
     assert plan.dkdv.grid == (min(132, key_tiles // 2), 1, 1)
 
 
-@pytest.mark.parametrize("d, causal, hq, hkv, dtype, sq", [
-    (128, False, 4, 4, "bfloat16", 1024), (128, True, 8, 2, "bfloat16", 1024), (64, False, 8, 2, "float16", 1024),
-    (64, True, 4, 4, "bfloat16", 1024), (128, True, 4, 2, "bfloat16", 1000), (64, False, 4, 4, "bfloat16", 1000)])
-def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq):
+@pytest.mark.parametrize("d, causal, hq, hkv, dtype, sq, window", [
+    (128, False, 4, 4, "bfloat16", 1024, None), (128, True, 8, 2, "bfloat16", 1024, None),
+    (64, False, 8, 2, "float16", 1024, None), (64, True, 4, 4, "bfloat16", 1024, None),
+    (128, True, 4, 2, "bfloat16", 1000, None), (64, False, 4, 4, "bfloat16", 1000, None),
+    (128, False, 4, 2, "bfloat16", 1024, (300, 0))])
+def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq, window):
     """The Gluon kernel (persistent; per work item where Sq = 1000) and the dQ cast compile for
     sm_90 (GluonASTSource); the two worker warps take one more warpgroup next to the 8 compute warps
     and 24 registers, the compute warpgroups 240 (FA3's split)."""
-    plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sq=sq, sk=sq)
+    plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sq=sq, sk=sq, sliding_window=window)
     assert plan.dkdv.constexpr_dict["PERSISTENT"] == (sq == 1024)
+    assert plan.dkdv.constexpr_dict["WINDOW"] == (window is not None)
     dtypes = dict.fromkeys(("query", "key", "value", "dout"), dtype)
     dtypes.update(lse="float32", delta="float32")
     compiled = compile_check.compile_launch(plan.dkdv, dtypes, arch=90)
@@ -151,6 +155,19 @@ def _require_sm90():
         pytest.skip("the one-pass backward is a Gluon kernel for sm_90 only")
 
 
+# Causal sliding windows, for both Gluon kernels (test_gluon_forward.py too): tiles masked at both ends
+# of the band (the diagonal, the window's far edge), windows not tile multiples, rows with nothing
+# visible, a window of one key, few persistent programs.
+WINDOW_CASES = {
+    "d128-window-gqa-sinks": dict(b=2, sq=2048, sk=2048, hq=8, hkv=2, d=128, opts=dict(sliding_window=(300, 0)),
+                                  sinks=True),
+    "d64-window-ragged": dict(b=1, sq=1000, sk=1100, hq=2, hkv=1, d=64, opts=dict(sliding_window=(257, 0))),
+    "d128-window-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=2, d=128, opts=dict(sliding_window=(128, 0))),
+    "d64-window-one-key": dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=64, opts=dict(sliding_window=(0, 0))),
+    "d128-window-7-programs": dict(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, opts=dict(sliding_window=(200, 0)),
+                                   num_sms="7", persistent="1"),
+}
+
 GPU_CASES = {
     "d128": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=128, opts={}),
     "d64-causal": dict(b=2, sq=2048, sk=2048, hq=4, hkv=4, d=64, opts=dict(causal=True)),
@@ -169,6 +186,7 @@ GPU_CASES = {
     "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7"),
     "d128-fp16-scale": dict(b=1, sq=768, sk=2048, hq=2, hkv=2, d=128, opts=dict(softmax_scale=0.05),
                             dtype=torch.float16),
+    **WINDOW_CASES,
 }
 
 

@@ -66,21 +66,35 @@ def _mma_layout(M, N, num_warps):
 
 
 @gluon.jit
-def _query_tiles(n0, seqlen_q, diag, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first query tile, query tiles to visit, how many of them straddle the diagonal) for the key
-    tile at n0.  Causal: query row m sees key n iff n <= m + diag."""
+def _query_tiles(n0, seqlen_q, diag, window_left, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                 WINDOW: gl.constexpr):
+    """(first query tile, query tiles to visit, how many of them straddle the diagonal, where the
+    tiles straddling the window's far edge begin) for the key tile at n0: of the tiles visited,
+    [0, n_mask) and [n_tail, n_local) are masked.  Causal: query row m sees key n iff n <= m + diag;
+    WINDOW (causal only): and n >= m + diag - window_left."""
     n_tiles = gl.cdiv(seqlen_q, BM)
     if CAUSAL:
         i_start = gl.maximum(n0 - diag, 0) // BM
         # tiles from i_full on see every key of the tile: i_full * BM >= n0 + BN - 1 - diag
         i_full = gl.cdiv(gl.maximum(n0 + BN - 1 - diag, 0), BM)
-        n_local = gl.maximum(n_tiles - i_start, 0)
+        i_end = n_tiles
+        i_tail = n_tiles
+        if WINDOW:
+            # rows after n0 + BN - 1 - diag + window_left see none of the tile's keys; rows after
+            # n0 - diag + window_left miss some of them
+            last = n0 + BN - 1 - diag + window_left
+            i_end = gl.where(last >= 0, gl.minimum(gl.maximum(last, 0) // BM + 1, n_tiles), 0)
+            edge = n0 - diag + window_left - BM + 1
+            i_tail = gl.where(edge >= 0, gl.maximum(edge, 0) // BM + 1, 0)
+        n_local = gl.maximum(i_end - i_start, 0)
         n_mask = gl.minimum(gl.maximum(i_full - i_start, 0), n_local)
+        n_tail = gl.minimum(gl.maximum(i_tail - i_start, n_mask), n_local)
     else:
         i_start = n0 * 0
         n_local = n_tiles
         n_mask = n0 * 0
-    return i_start, n_local, n_mask
+        n_tail = n_local
+    return i_start, n_local, n_mask, n_tail
 
 
 @gluon.jit
@@ -90,8 +104,9 @@ def _item_count(w_first, w_end, w_step, CAUSAL: gl.constexpr, PERSISTENT: gl.con
 
 
 @gluon.jit
-def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM: gl.constexpr, BN: gl.constexpr,
-               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM: gl.constexpr,
+               BN: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+               PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
     """The i-th key tile this program visits.  Work items w = w_first, w_first + w_step, ... are
     (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a row), except
     causal and persistent: there item w is a pair of key tiles of one head, p and n - 1 - p (the
@@ -115,7 +130,7 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM: g
         n0 = (w % n_key_tiles) * BN
     batch = bh // num_heads_kv
     kv_head = bh % num_heads_kv
-    i_start, n_local, n_mask = _query_tiles(n0, seqlen_q, diag, BM, BN, CAUSAL)
+    i_start, n_local, n_mask, n_tail = _query_tiles(n0, seqlen_q, diag, window_left, BM, BN, CAUSAL, WINDOW)
     if PERSISTENT:
         q_row = batch * seqlen_q
         k_row = batch * seqlen_k + n0
@@ -128,19 +143,20 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM: g
         q_col = n0 * 0
         k_col = n0 * 0
         lse_row = n0 * 0
-    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, n_mask
+    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, n_mask, n_tail
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
-                    seqlen_q, seqlen_k, num_heads_kv, diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+                    seqlen_q, seqlen_k, num_heads_kv, diag, window_left, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                    PERSISTENT: gl.constexpr):
+                    PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
     r = 0  # ring position: tiles so far, counted alike in every partition
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _ = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _ = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM, BN, GROUP, HEAD_DIM, CAUSAL,
+            PERSISTENT, WINDOW)
         mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the previous key tile's K, V are read (fresh: passes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
@@ -165,12 +181,13 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
 
 @gluon.jit
 def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                  diag, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                  diag, window_left, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DQ_BUFS: gl.constexpr,
+                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _ = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _, _ = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM, BN, GROUP, HEAD_DIM, CAUSAL,
+            PERSISTENT, WINDOW)
         for g in range(GROUP):
             for j in range(n_local):
                 b = r % DQ_BUFS
@@ -183,11 +200,12 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
 
 
 @gluon.jit
-def _tile(r, r_first, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
+def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
           q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM: gl.constexpr,
           BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr,
-          MASK: gl.constexpr, DS_BUFS: gl.constexpr):
-    """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal."""
+          MASK: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr):
+    """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal
+    or, WINDOW, the window's far edge."""
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
@@ -210,7 +228,10 @@ def _tile(r, r_first, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse
     if MASK:  # S^T[key n, query m]: keep n <= m + diag (masked before any use: lse may be inf there)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
         queries = m0 + diag + gl.arange(0, BM, layout=col_layout)
-        pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), pt, 0.0)
+        ok = gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0)
+        if WINDOW:
+            ok = ok & (gl.expand_dims(keys, 1) >= gl.expand_dims(queries - window_left, 0))
+        pt = gl.where(ok, pt, 0.0)
     pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
     delta = delta_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout)
@@ -243,9 +264,10 @@ def _tile(r, r_first, m0, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse
 def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready, kv_empty,
                        q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                       diag, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                       STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr):
+                       diag, window_left, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr,
+                       NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr,
+                       WINDOW: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -255,8 +277,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, n_mask = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, BM, BN, GROUP, HEAD_DIM, CAUSAL, PERSISTENT)
+        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, n_mask, n_tail = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM, BN, GROUP, HEAD_DIM, CAUSAL,
+            PERSISTENT, WINDOW)
         dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
         dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
         r_first = r
@@ -264,17 +287,24 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
         for g in range(GROUP):
             if CAUSAL:
                 for j in range(n_mask):
-                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs,
-                                   do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty,
-                                   dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN,
-                                   STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS)
+                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
+                                   q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
+                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM,
+                                   BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW)
                     r += 1
-            for j in range(n_mask, n_local):
-                dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, dk, dv, k_smem, v_smem, q_bufs, do_bufs,
-                               lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
+            for j in range(n_mask, n_tail):
+                dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
+                               do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
                                dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
-                               NUM_WARPS, False, DS_BUFS)
+                               NUM_WARPS, False, DS_BUFS, WINDOW)
                 r += 1
+            if WINDOW:
+                for j in range(n_tail, n_local):
+                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
+                                   q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
+                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM,
+                                   BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW)
+                    r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
             _partition_barrier()
@@ -297,11 +327,11 @@ def flash_bwd_one_pass_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
-    batch, seqlen_q, seqlen_k, num_heads_kv, diag, num_work, sm_scale,
+    batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale,
     DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
-    PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr,
+    PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -394,14 +424,16 @@ def flash_bwd_one_pass_kernel(
         (_compute_partition, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready,
                               kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
-                              seqlen_q, seqlen_k, num_heads_kv, diag, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS)),
+                              seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS,
+                              WINDOW)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
-                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           GROUP_SIZE, CAUSAL, PERSISTENT)),
+                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, HEAD_DIM, BLOCK_M, BLOCK_N,
+                           STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW)),
         (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k,
-                         num_heads_kv, diag, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, GROUP_SIZE, CAUSAL, PERSISTENT)),
+                         num_heads_kv, diag, window_left, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, GROUP_SIZE, CAUSAL,
+                         PERSISTENT, WINDOW)),
     ], [1, 1], [24, 24])
 
 

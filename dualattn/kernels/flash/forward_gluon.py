@@ -34,14 +34,16 @@ from .rules import GLUON_FWD_INTS
 
 
 @gluon.jit
-def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, BM: gl.constexpr, BN: gl.constexpr,
-              GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM: gl.constexpr, BN: gl.constexpr,
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """Query tile `sub` of work item w: whether it exists, its batch, query head, KV head, first
-    query row, key tiles to visit and how many of those need no causal mask.  One head's items
-    are consecutive, so programs taking items in turn work side by side on its K and V (L2).
-    Non-causal: an item is one query tile.  Causal: an item is a pair of query tiles, t from the
-    end and t from the start (the middle one alone when the count is odd): every item then
-    has as many key tiles to visit, and programs taking items in turn finish together."""
+    query row, the key tiles to visit [n_first, n_tiles), and which of those need no mask: tiles
+    [n_left_full, n_full).  One head's items are consecutive, so programs taking items in turn work
+    side by side on its K and V (L2).  Non-causal: an item is one query tile.  Causal: an item is a
+    pair of query tiles, t from the end and t from the start (the middle one alone when the count is
+    odd): every item then has as many key tiles to visit, and programs taking items in turn finish
+    together (with a window, every tile but the first few visits as many anyway).  WINDOW (causal
+    only): row m also needs key n >= m + diag - window_left."""
     n_q_tiles = gl.cdiv(seqlen_q, BM)
     if CAUSAL:
         n_pairs = gl.cdiv(n_q_tiles, 2)
@@ -58,28 +60,35 @@ def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, BM: gl.constexpr, B
     m0 = t * BM
     batch = bh // num_heads_q
     head = bh % num_heads_q
+    n_first = m0 * 0
+    n_left_full = m0 * 0
     if CAUSAL:
         n_end = gl.minimum(gl.maximum(m0 + BM + diag, 0), seqlen_k)  # keys < n_end are seen by some row
         n_tiles = gl.cdiv(n_end, BN)
         n_full = gl.minimum(gl.maximum(m0 + diag + 1, 0), seqlen_k) // BN  # seen by every row of the tile
+        if WINDOW:
+            # keys from the first row's window start on are seen by some row; from the last row's, by all
+            n_first = gl.minimum(gl.maximum(m0 + diag - window_left, 0) // BN, n_tiles)
+            n_left_full = gl.cdiv(gl.maximum(m0 + BM - 1 + diag - window_left, 0), BN)
     else:
         n_tiles = gl.cdiv(seqlen_k, BN)
         n_full = seqlen_k // BN
-    return valid, batch, head, head // GROUP, m0, n_tiles, n_full
+    return valid, batch, head, head // GROUP, m0, n_first, n_tiles, n_left_full, n_full
 
 
 @gluon.jit
 def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM: gl.constexpr,
-              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, HEAD_DIM: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     r = 0     # key tiles so far, counted alike in every partition
     tile = 0  # query tiles so far
     for w in range(w_first, w_end, w_step):
         for sub in range(SUBS):
-            valid, batch, head, kv_head, m0, n_tiles, _ = _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag,
-                                                                    BM, BN, GROUP, CAUSAL)
+            valid, batch, head, kv_head, m0, n_first, n_tiles, _, _ = _fwd_item(
+                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM, BN, GROUP, CAUSAL, WINDOW)
             if valid:
                 q_row = batch * seqlen_q + m0
                 k_row = batch * seqlen_k
@@ -88,7 +97,7 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready, q_bufs.index(0))
                 tma.async_copy_global_to_shared(q_desc, [q_row + HM, head * HEAD_DIM], q_ready, q_bufs.index(1))
-                for j in range(n_tiles):
+                for j in range(n_first, n_tiles):
                     s = r % STAGES
                     mbarrier.wait(k_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
@@ -103,8 +112,8 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, masked, CAUSAL: gl.constexpr, BN: gl.constexpr,
-             EVEN_K: gl.constexpr):
+def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, CAUSAL: gl.constexpr,
+             WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr):
     """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
     Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
     FMA per element."""
@@ -116,6 +125,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, masked, CAUSAL: gl
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
         if CAUSAL:
             ok = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diag, 1)
+            if WINDOW:
+                ok = ok & (gl.expand_dims(keys, 0) >= gl.expand_dims(rows + diag - window_left, 1))
             if not EVEN_K:
                 ok = ok & gl.expand_dims(keys < seqlen_k, 0)
         else:
@@ -129,10 +140,12 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, masked, CAUSAL: gl
 
 
 @gluon.jit
-def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, seqlen_k, diag, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr):
-    """One warpgroup's half of one query tile: (O unnormalised, row max, row sum, its rows)."""
+def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+              v_ready, k_empty, v_empty, seqlen_k, diag, window_left, qk_scale, HALF: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, EVEN_K: gl.constexpr):
+    """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (ring positions r on):
+    (O unnormalised, row max, row sum, its rows)."""
     HM: gl.constexpr = BM // 2
     s_layout: gl.constexpr = _mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
@@ -146,18 +159,20 @@ def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_e
     l_i = gl.zeros([HM], gl.float32, row_s)
     acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_ready, tile & 1)
-    if n_tiles > 0:
+    count = n_tiles - n_first
+    if count > 0:
         # Prologue: S_0 and its softmax.
         st = r % STAGES
         mbarrier.wait(k_ready.index(st), (r // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_empty.index(st), count=1)
-        mbarrier.arrive(q_empty, count=1, pred=n_tiles == 1)  # the last S GEMM has read Q
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, rows, seqlen_k, diag, n_full == 0, CAUSAL, BN,
-                                       EVEN_K)
-        for j in range(1, n_tiles):
-            rn = r + j
+        mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n_first * BN, rows, seqlen_k, diag, window_left,
+                                       (n_first < n_left_full) | (n_first >= n_full), CAUSAL, WINDOW, BN, EVEN_K)
+        for i in range(1, count):
+            j = n_first + i
+            rn = r + i
             sn = rn % STAGES
             sp = (rn - 1) % STAGES
             mbarrier.wait(k_ready.index(sn), (rn // STAGES) & 1)
@@ -169,12 +184,12 @@ def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_e
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j back, P_{j-1} V_{j-1} in flight
             # K_j is read: the load warp may fetch K_{j+STAGES} during this softmax, not after P V.
             mbarrier.arrive(k_empty.index(sn), count=1)
-            mbarrier.arrive(q_empty, count=1, pred=j == n_tiles - 1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, j >= n_full,
-                                          CAUSAL, BN, EVEN_K)
+            mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
+                                          (j < n_left_full) | (j >= n_full), CAUSAL, WINDOW, BN, EVEN_K)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
-        rl = r + n_tiles - 1
+        rl = r + count - 1
         sl = rl % STAGES
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(sl), (rl // STAGES) & 1)
@@ -187,10 +202,35 @@ def _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_e
 
 
 @gluon.jit
+def _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr):
+    """The sink logits joined to a finished row's online softmax (their terms in the denominator,
+    nothing in O): (acc, m_i, l_i) rescaled, and whether a sink of +inf takes the whole softmax
+    (O = 0, lse = +inf).  Sinks of -inf join nothing.  After the loop rather than before it (the
+    portable kernels start from the sinks): the loop stays the option-free one."""
+    base = head * NUM_SINKS if SINKS_PER_HEAD else 0
+    sink_max = float("-inf")
+    for j in gl.static_range(NUM_SINKS):
+        sink_max = gl.maximum(sink_max, gl.load(SINKS + base + j).to(gl.float32) * 1.4426950408889634)
+    finite = (sink_max != float("-inf")) & (sink_max != float("inf"))
+    sink_ref = gl.where(finite, sink_max, 0.0)
+    sink_sum = 0.0
+    for j in gl.static_range(NUM_SINKS):
+        sink_sum += gl.exp2(gl.load(SINKS + base + j).to(gl.float32) * 1.4426950408889634 - sink_ref)
+    m_new = gl.where(finite, gl.maximum(m_i, sink_ref), m_i)
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    l_new = l_i * alpha + gl.where(finite, sink_sum * gl.exp2(sink_ref - m_shift), 0.0)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    return acc, m_new, l_new, sink_max == float("inf")
+
+
+@gluon.jit
 def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                 o_desc, LSE, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag,
-                 qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                 STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr):
+                 o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k,
+                 num_heads_q, diag, window_left, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                 WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
+                 SINKS_PER_HEAD: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
@@ -202,17 +242,22 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
     tile = 0
     for w in range(w_first, w_end, w_step):
         for sub in range(SUBS):
-            valid, batch, head, kv_head, m0, n_tiles, n_full = _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q,
-                                                                         diag, BM, BN, GROUP, CAUSAL)
+            valid, batch, head, kv_head, m0, n_first, n_tiles, n_left_full, n_full = _fwd_item(
+                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM, BN, GROUP, CAUSAL, WINDOW)
             if valid:
-                acc, m_i, l_i, rows = _fwd_tile(m0, n_tiles, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready,
-                                                q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_k, diag, qk_scale,
-                                                HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL, EVEN_K)
-                r += n_tiles
+                acc, m_i, l_i, rows = _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs,
+                                                v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_k,
+                                                diag, window_left, qk_scale, HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                                                WINDOW, EVEN_K)
+                r += n_tiles - n_first
                 tile += 1
+                if NUM_SINKS > 0:
+                    acc, m_i, l_i, saturated = _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS, SINKS_PER_HEAD)
                 # O = acc / l and lse = ln(sum exp) (rows with nothing visible: O = 0, lse = -inf).
                 l_o = gl.convert_layout(l_i, row_o)
                 out = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
+                if NUM_SINKS > 0:
+                    out = gl.where(saturated, 0.0, out)
                 # O leaves through shared memory and a TMA store (a tensor of pointers would spill):
                 # the descriptor is (batch, seq, head * dim), so rows past Sq are clipped, not
                 # written into the next batch.  The previous tile's store must have read o_smem.
@@ -223,6 +268,8 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head * HEAD_DIM],
                                                 o_smem._reinterpret(dtype, [1, HM, HEAD_DIM], o_desc.layout))
                 lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+                if NUM_SINKS > 0:
+                    lse = gl.where(saturated, float("inf"), lse)
                 gl.store(LSE + batch.to(gl.int64) * stride_lse_b + head * stride_lse_h + rows, lse,
                          mask=rows < seqlen_q)
     tma.store_wait(0)
@@ -230,13 +277,14 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
 
 @gluon.jit(do_not_specialize=GLUON_FWD_INTS)
 def flash_fwd_gluon_kernel(
-    Q, K, V,
+    Q, K, V, SINKS,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-    batch, seqlen_q, seqlen_k, num_heads_q, diag, num_work, sm_scale,
+    batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale,
     OUT, LSE, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, EVEN_K: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
+    NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
@@ -281,14 +329,14 @@ def flash_fwd_gluon_kernel(
     qk_scale = sm_scale * 1.4426950408889634
     gl.warp_specialize([
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                        o_desc, LSE, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE,
-                        CAUSAL, EVEN_K)),
+                        o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
+                        seqlen_k, num_heads_q, diag, window_left, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                        o_desc, LSE, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE,
-                        CAUSAL, EVEN_K)),
+                        o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
+                        seqlen_k, num_heads_q, diag, window_left, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, STAGES, GROUP_SIZE, CAUSAL)),
+                     v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, HEAD_DIM,
+                     BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW)),
     ], [4, 1], [240, 24])

@@ -256,7 +256,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
 
     What the Gluon kernels need (_gluon_specializable: 16-bit inputs, TMA-legal strides, no
     per-element option or soft cap, no block-sparse list, no packed varlen), head dims of 64 or 128
-    (equal for K and V), no window other than causal, and lse rows 16-byte aligned for TMA
+    (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
     the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS <= Sk <=
@@ -267,8 +267,9 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if flag != "1" and not ONE_PASS_MIN_KEYS <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
         return None
-    if options.window_left is not None or options.window_right not in (None, 0) or not _gluon_specializable(
-            shapes, sparse, constexprs):
+    if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
+        return None
+    if not _gluon_specializable(shapes, sparse, constexprs):
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
         return None
@@ -289,12 +290,13 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
     What the Gluon kernels need (_gluon_specializable), head dims of 64 or 128 (equal
-    for K and V), no sinks and no window other than causal; descriptors over whole arrays, so in
+    for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
+    GPT-OSS), sinks of any count (joined after the loop); descriptors over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
     if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
         return False
-    if options.window_left is not None or options.window_right not in (None, 0) or shapes.num_sinks:
+    if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False
     if not _gluon_specializable(shapes, sparse, constexprs):
         return False

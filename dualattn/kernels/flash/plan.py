@@ -222,24 +222,26 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
     causal, a pair of them)."""
     block_m, block_n, stages = GLUON_FWD_TILE
-    causal = options.window_right == 0
+    causal = options.window_right == 0   # (gluon_forward: a window_left only with it)
     q_tiles = cdiv(shapes.seqlen_q, block_m)
     num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal else q_tiles)
     grid = (max(1, min(num_sms or num_work, num_work)), 1, 1)
     return Launch(
         module="flash.forward_gluon", kernel="flash_fwd_gluon_kernel", grid=grid,
-        inputs=("query", "key", "value"),
+        inputs=("query", "key", "value", "softmax_aux"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ob",
                                                "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
         + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
            ("num_heads_q", shapes.heads_q), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
-           ("num_work", num_work), ("sm_scale", float(options.softmax_scale))),
+           ("window_left", options.window_left or 0), ("num_work", num_work),
+           ("sm_scale", float(options.softmax_scale))),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
-                    ("EVEN_K", shapes.seqlen_k % block_n == 0)),
+                    ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
+                    ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head)),
         num_warps=GLUON_FWD_WARPS, num_stages=1)
 
 
@@ -508,12 +510,14 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
         + tuple((f"stride_{g}{x}", v) for g in ("dk", "dv", "dq") for x, v in zip("bsh", grads[g]))
         + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
            ("num_heads_kv", shapes.heads_kv), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
-           ("num_work", num_work), ("sm_scale", float(options.softmax_scale))),
+           ("window_left", options.window_left or 0), ("num_work", num_work),
+           ("sm_scale", float(options.softmax_scale))),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
-                    ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs)),
+                    ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
+                    ("WINDOW", options.window_left is not None)),
         num_warps=ONE_PASS_WARPS, num_stages=1)
     numel = 1
     for n in q_shape:
