@@ -103,7 +103,8 @@ def segment_range(SEGMENT_RANGES, b, tile, num_tiles, start, full_start, full_en
 @triton.jit
 def loop_segment(segment: tl.constexpr, start, full_start, full_end, end, ONE_LOOP: tl.constexpr = False):
     """[lo, hi) of loop segment 0, 1, 2: the masked leading edge, the unmasked interior, the masked
-    trailing edge (segment 1 alone compiles without position masks).  ONE_LOOP: segment 1 is the
+    trailing edge (segment 1 alone compiles without position masks, and with SEGMENT_SKIP without the
+    segment compare: segment_range).  ONE_LOOP: segment 1 is the
     whole band [start, end), for callers that compile no other segment (masking every tile, or the
     edge tiles behind a branch: EDGES_IN_LOOP)."""
     lo = start if segment == 0 else (full_start if segment == 1 else full_end)
@@ -160,7 +161,8 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
     """Boolean tile: may query offs_m attend key offs_n ([M, N], or [N, M] if TRANSPOSED).
 
     POSITIONAL=False is the fast path for tiles that band_range proved full; segment ids
-    and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].  With
+    (unless the caller passes HAS_SEGMENTS off for tiles of one id: segment_range) and the user
+    mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].  With
     HAS_POSITIONS the window compares the given positions (q_pos, k_pos tiles) instead of
     i + diag and j (block-sparse layouts, where every tile is POSITIONAL).  IN_BOUNDS: the
     caller knows both tiles lie inside their sequences (warp-specialised backward loops, which
