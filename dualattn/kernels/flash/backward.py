@@ -333,7 +333,8 @@ def flash_bwd_dkdv_kernel(
                             q_len, mask_seqlen_k, mask_diag, window_left, window_right, sm_scale, softcap,
                             dropout_seed, dropout_threshold, dropout_scale,
                             segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                            BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT,
+                            BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
+                            HAS_SEGMENTS and not (SEGMENT_SKIP and segment == 1), HAS_DROPOUT,   # (rules.segment_range)
                             DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE,
                             EDGES_IN_LOOP)
             dk = dk * sm_scale
@@ -517,7 +518,8 @@ def flash_bwd_dq_kernel(
                                    dropout_threshold, dropout_scale,
                                    segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                                    BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
-                                   HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS,
+                                   HAS_SEGMENTS and not (SEGMENT_SKIP and segment == 1),   # (rules.segment_range)
+                                   HAS_DROPOUT, DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS,
                                    HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
             dq = dq * sm_scale
             dq_row = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh

@@ -272,7 +272,9 @@ def flash_fwd_kernel(
                         mask_seqlen_q, k_len, mask_diag, window_left, window_right,
                         sm_scale, softcap, dropout_threshold, dropout_scale,
                         segment != 1 or EDGES_IN_LOOP or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
+                        HAS_SEGMENTS and not (SEGMENT_SKIP and segment == 1),   # (rules.segment_range)
+                        HAS_DROPOUT, DOT_PRECISION,
                         BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
 
             # Fully masked rows (l == 0, no sinks) give output 0 and lse -inf.

@@ -23,6 +23,7 @@ from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILE, GLUON_FWD
                      persistent_forward, split_band, split_band_pays, tma_requested, warp_specialize_requested,
                      warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
 from . import rules
+from .segments import RANGE_FIELDS
 from .tiles import (SHORT_SEQ_BUCKETS, TUNED, TUNED_FILE_ENV, FlashConfig, SparseInfo, TileConfig,  # noqa: F401
                     default_config, tuned_key)
 
@@ -329,22 +330,24 @@ SEGMENT_RESUME = (("segment_ranges", "segment_ranges"),)
 
 
 def segment_skip(shapes: FlashShapes, sparse: Optional[SparseInfo], warp_specialized: bool) -> bool:
-    """Whether a launch visits only the tiles that share segment ids with its own (SEGMENT_SKIP): every
-    portable dense launch with segment ids.  (Block-sparse launches walk their layout's lists.)"""
+    """Whether a launch visits only the tiles that share segment ids with its own, and runs the tile pairs
+    inside one document without the segment compare (SEGMENT_SKIP): every portable dense launch with
+    segment ids.  (Block-sparse launches walk their layout's lists.)"""
     return shapes.has_segments and sparse is None and not warp_specialized
 
 
 def segment_ranges_first(main: Launch, shapes: FlashShapes, scalar: dict, block_own: int, block_other: int,
                          own_is_query: bool) -> Launch:
-    """`main` preceded by the launch computing its per-tile segment ranges (segments.py), for its tiles:
-    own tiles of block_own rows (queries in the forward and dQ, keys in dK/dV), iterated ones of block_other."""
+    """`main` preceded by the launch computing its per-tile segment ranges (segments.py: the tiles sharing
+    an id, and the run of tiles holding only the own tile's one id), for its tiles: own tiles of block_own
+    rows (queries in the forward and dQ, keys in dK/dV), iterated ones of block_other."""
     n_tiles = cdiv(shapes.seqlen_q if own_is_query else shapes.seqlen_k, block_own)
     return Launch(
         module="flash.segments", kernel="segment_ranges_kernel", grid=(n_tiles, shapes.batch, 1),
         inputs=("q_segment_ids", "kv_segment_ids"),
         scalars=tuple((k, scalar[k]) for k in ("seg_stride_qb", "seg_stride_kb", "seqlen_q", "seqlen_k"))
         + (("num_tiles", n_tiles),),
-        outputs=(Output("segment_ranges", (shapes.batch, n_tiles, 2), "int32"),),
+        outputs=(Output("segment_ranges", (shapes.batch, n_tiles, RANGE_FIELDS.value), "int32"),),
         constexprs=(("BLOCK_OWN", block_own), ("BLOCK_OTHER", block_other), ("OWN_IS_QUERY", own_is_query)),
         num_warps=4, num_stages=1, then=main)
 # What a SPLIT_BAND edges launch resumes from: the interior launch's out and lse.

@@ -11,6 +11,8 @@ Scores live in log2 units inside the kernels (exp2 is the fast path).
 import triton
 import triton.language as tl
 
+from .segments import RANGE_FIELDS
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -75,22 +77,34 @@ def key_tiles(m0, tile, layout_row, SPARSE_KV_COUNT, SPARSE_KV_INDEX, num_k_bloc
 
 @triton.jit
 def segment_range(SEGMENT_RANGES, b, tile, num_tiles, start, full_start, full_end, end, SKIP: tl.constexpr):
-    """The band's tiles narrowed to those sharing segment ids with this tile (segments.py computed the
-    range per batch and tile: positions, multiples of the other axis' tile).  Segment ids are still
-    compared on every tile visited."""
+    """The band's tiles narrowed to those sharing segment ids with this tile, and its unmasked interior
+    narrowed to the tiles whose ids all equal this tile's one id (segments.py computed both ranges per
+    batch and tile: positions, multiples of the other axis' tile).
+
+    With SKIP the interior [full_start, full_end) is the tiles both in the band's unmasked interior
+    (every pair in the band, both tiles inside their sequences: band_range) and in the pure run, where
+    every pair has equal ids: loop segment 1 runs them with neither the position mask nor the segment
+    compare.  It stays one contiguous range inside [start, end) (empty: full_start == full_end), so
+    loop segments 0 and 2 cover the rest of the band, where positions and ids are both compared
+    (the kernels compile segment 1 without HAS_SEGMENTS when SKIP)."""
     if SKIP:
-        row = SEGMENT_RANGES + (b.to(tl.int64) * num_tiles + tile) * 2
+        row = SEGMENT_RANGES + (b.to(tl.int64) * num_tiles + tile) * RANGE_FIELDS
         start = tl.maximum(start, tl.load(row))
         end = tl.maximum(tl.minimum(end, tl.load(row + 1)), start)
         full_start = tl.minimum(tl.maximum(full_start, start), end)
         full_end = tl.minimum(tl.maximum(full_end, full_start), end)
+        pure_start = tl.load(row + 2)
+        pure_end = tl.load(row + 3)
+        full_start = tl.minimum(tl.maximum(full_start, pure_start), full_end)
+        full_end = tl.maximum(tl.minimum(full_end, pure_end), full_start)
     return start, full_start, full_end, end
 
 
 @triton.jit
 def loop_segment(segment: tl.constexpr, start, full_start, full_end, end, ONE_LOOP: tl.constexpr = False):
     """[lo, hi) of loop segment 0, 1, 2: the masked leading edge, the unmasked interior, the masked
-    trailing edge (segment 1 alone compiles without position masks).  ONE_LOOP: segment 1 is the
+    trailing edge (segment 1 alone compiles without position masks, and with SEGMENT_SKIP without the
+    segment compare: segment_range).  ONE_LOOP: segment 1 is the
     whole band [start, end), for callers that compile no other segment (masking every tile, or the
     edge tiles behind a branch: EDGES_IN_LOOP)."""
     lo = start if segment == 0 else (full_start if segment == 1 else full_end)
@@ -147,7 +161,8 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
     """Boolean tile: may query offs_m attend key offs_n ([M, N], or [N, M] if TRANSPOSED).
 
     POSITIONAL=False is the fast path for tiles that band_range proved full; segment ids
-    and the user mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].  With
+    (unless the caller passes HAS_SEGMENTS off for tiles of one id: segment_range) and the user
+    mask still apply there.  MASK_ROW points at mask[b, h, 0, 0].  With
     HAS_POSITIONS the window compares the given positions (q_pos, k_pos tiles) instead of
     i + diag and j (block-sparse layouts, where every tile is POSITIONAL).  IN_BOUNDS: the
     caller knows both tiles lie inside their sequences (warp-specialised backward loops, which

@@ -7,14 +7,23 @@ documents packed in order, each query tile sees its own document's key tiles, no
 triangle.  The ranges hold for any ids (unsorted ones give wider ranges, never narrower): a tile
 outside a range holds no pair with equal ids, since its ids' [min, max] misses the own tile's.
 
+It also gives each tile a run of other-axis tiles where no id needs comparing: when the own tile
+lies whole inside its sequence and holds one id s, the first contiguous run of other tiles that lie
+whole inside theirs and hold only s.  Every pair of such tiles has equal ids, so the kernels run
+them in the unmasked interior loop (rules.segment_range), with no segment compare.  The run is
+conservative: a tile holding another id, or reaching past its sequence, ends it (for unsorted ids
+the later runs are left to the masked loops), and a tile holding several ids has none.
+
 Grid (own tiles, batch); computed once per launch's tile sizes, per batch (the ids are per batch,
-shared by every head).  RANGES[b, tile] = (first other position, end position), multiples of
-BLOCK_OTHER; (0, 0) when no tile shares an id.
+shared by every head).  RANGES[b, tile] = (first other position, end position, pure start, pure end),
+multiples of BLOCK_OTHER; (0, 0) for either range when it is empty.
 """
 import triton
 import triton.language as tl
 
 SEGMENT_RANGE_INTS = ["seg_stride_qb", "seg_stride_kb", "seqlen_q", "seqlen_k", "num_tiles"]
+# Ints per tile in RANGES (plan.segment_ranges_first sizes the output with it).
+RANGE_FIELDS = tl.constexpr(4)
 
 
 @triton.jit
@@ -37,14 +46,28 @@ def segment_ranges_kernel(QSEG, KSEG, seg_stride_qb, seg_stride_kb, seqlen_q, se
         OWN, OTHER, own_len, other_len = KSEG + b * seg_stride_kb, QSEG + b * seg_stride_qb, seqlen_k, seqlen_q
     lo = other_len
     hi = 0
+    pure_lo = 0
+    pure_hi = 0
     if tile * BLOCK_OWN < own_len:
         own_min, own_max = _id_range(OWN, tile * BLOCK_OWN, own_len, BLOCK_OWN)
+        # One id on every lane, and every lane inside the sequence (padding lanes never look pure).
+        own_pure = (own_min == own_max) & ((tile + 1) * BLOCK_OWN <= own_len)
+        run_closed = 0
         for start in range(0, other_len, BLOCK_OTHER):
             other_min, other_max = _id_range(OTHER, start, other_len, BLOCK_OTHER)
             shared = (other_max >= own_min) & (other_min <= own_max)
             lo = tl.where(shared, tl.minimum(lo, start), lo)
             hi = tl.where(shared, start + BLOCK_OTHER, hi)
+            # The first run of whole tiles holding only the own tile's id: a tile that is not such
+            # ends it once it has begun.
+            pure = own_pure & (other_min == own_min) & (other_max == own_min) & (start + BLOCK_OTHER <= other_len)
+            extend = pure & (run_closed == 0)
+            pure_lo = tl.where(extend & (pure_hi == pure_lo), start, pure_lo)
+            pure_hi = tl.where(extend, start + BLOCK_OTHER, pure_hi)
+            run_closed = tl.where(~pure & (pure_hi > pure_lo), 1, run_closed)
     lo = tl.where(hi > 0, lo, 0)
-    out = RANGES + (b * num_tiles + tile) * 2
+    out = RANGES + (b * num_tiles + tile) * RANGE_FIELDS
     tl.store(out, lo)
     tl.store(out + 1, hi)
+    tl.store(out + 2, pure_lo)
+    tl.store(out + 3, pure_hi)
