@@ -23,22 +23,48 @@ def test_padded_head_dims(d, dv, torch_gen):
         assert relative_error(a.detach().numpy(), r.detach().numpy()) < 2e-5
 
 
-# Unaligned rows (odd head dims) with a V tile of 32 columns or fewer narrower than q/k's: Triton 3.6
-# miscompiled these portable kernels on sm_90 (wrong outputs, illegal addresses; GPU fuzz seed
-# 20261127:621).  plan.value_block widens such V tiles; the interpreter never saw the problem.
+# A V tile of 32 columns or fewer narrower than q/k's: Triton 3.6 miscompiled these portable kernels on
+# sm_90 (wrong outputs, illegal addresses; GPU fuzz seeds 20261127:621 with unaligned rows, 20261128:418
+# in fp32 with D = 128).  plan.value_block widens such V tiles; the interpreter never saw the problem.
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,dv", [(24, 16), (20, 16), (40, 16), (40, 24), (40, 32), (56, 32), (72, 32), (72, 16)])
-def test_narrow_value_tiles_on_the_gpu(d, dv):
+@pytest.mark.parametrize("d,dv,dtype", [(24, 16, "bfloat16"), (20, 16, "bfloat16"), (40, 16, "bfloat16"),
+                                        (40, 24, "bfloat16"), (40, 32, "bfloat16"), (56, 32, "bfloat16"),
+                                        (72, 32, "bfloat16"), (72, 16, "bfloat16"), (128, 16, "bfloat16"),
+                                        (128, 16, "float32"), (64, 32, "float32"), (128, 32, "float16")])
+def test_narrow_value_tiles_on_the_gpu(d, dv, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator().manual_seed(d * 100 + dv)
-    mk = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16).requires_grad_()  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g).to("cuda", getattr(torch, dtype)).requires_grad_()  # noqa: E731
     q, k, v = mk(2, 42, 16, d), mk(2, 411, 4, d), mk(2, 411, 4, dv)
     out = dt.flash_attention(q, k, v)
-    dout = torch.randn(out.shape, generator=g).to("cuda", torch.bfloat16)
+    dout = torch.randn(out.shape, generator=g).to("cuda", getattr(torch, dtype))
     grads = torch.autograd.grad(out, (q, k, v), dout)
     leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
     ref, _ = reference_attention(*leaves)
     ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
     for a, r in zip([out, *grads], [ref, *ref_grads]):
         assert relative_error(a.detach().float().cpu().numpy(), r.detach().numpy()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_narrow_value_tiles_block_sparse_fp32_on_the_gpu():
+    """The GPU fuzz's 20261128:418: fp32 block-sparse, D = 128, Dv = 16, three tokens, causal with a
+    window, soft cap and sinks; its dK/dV launch read out-of-range shared memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dualattn import SparseMask, masks
+    g = torch.Generator().manual_seed(418)
+    mk = lambda *s: torch.randn(*s, generator=g).to("cuda").requires_grad_()  # noqa: E731
+    q, k, v = mk(4, 3, 4, 128), mk(4, 3, 2, 128), mk(4, 3, 2, 16)
+    sinks = torch.randn(4, generator=g).cuda()
+    layout = SparseMask.from_block_map(masks.local(107)(4, 1, 3, 3, 128, 64), 128, 64)
+    opts = dict(causal=True, sliding_window=3, logits_soft_cap=3.16, softmax_scale=0.3, softmax_aux=sinks)
+    out = dt.blocksparse_attention(q, k, v, layout=layout, **opts)
+    dout = torch.randn(out.shape, generator=g).cuda()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    ref, _ = reference_attention(*leaves, **{**opts, "softmax_aux": sinks.cpu()})
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
+    for a, r in zip([out, *grads], [ref, *ref_grads]):
+        assert relative_error(a.detach().cpu().numpy(), r.detach().numpy()) < 1e-3

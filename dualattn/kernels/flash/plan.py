@@ -68,14 +68,15 @@ def softcap_mode(shapes: FlashShapes, options: FlashOptions, hardware_tanh: bool
     return rules.SOFTCAP_EXP2
 
 
-def value_block(head_dim_v: int, block_d: int, aligned: bool) -> int:
+def value_block(head_dim_v: int, block_d: int) -> int:
     """BLOCK_DV: V's head dim padded to a power of two, but never a tile of 32 columns or fewer
-    narrower than q/k's when row strides are not 16-aligned: Triton 3.6 miscompiles that portable
-    kernel on sm_90 (wrong outputs, or illegal addresses, at D = 20-72 with Dv = 16-32; found by
-    the GPU fuzz, benchmarks/NOTES.md "Narrow V tiles").  Such a V tile is widened to min(BLOCK_D,
-    64) columns; the kernels mask the padding (BLOCK_DV != HEAD_DIM_V)."""
+    narrower than q/k's: Triton 3.6 miscompiles those portable kernels on sm_90 (wrong outputs or
+    illegal addresses at D = 20-72 with Dv = 16-32 and unaligned rows, and an out-of-range shared
+    address in the fp32 block-sparse dK/dV at D = 128, Dv = 16; found by the GPU fuzz,
+    benchmarks/NOTES.md "Narrow V tiles").  Such a V tile is widened to min(BLOCK_D, 64) columns;
+    the kernels mask the padding (BLOCK_DV != HEAD_DIM_V)."""
     block_dv = max(16, next_pow2(head_dim_v))
-    if not aligned and block_dv <= 32 and block_dv < block_d:
+    if block_dv <= 32 and block_dv < block_d:
         block_dv = min(block_d, 64)
     return block_dv
 
@@ -130,7 +131,7 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
     block_d = max(16, next_pow2(shapes.head_dim))
     constexprs = (
         ("HEAD_DIM", shapes.head_dim), ("HEAD_DIM_V", shapes.head_dim_v),
-        ("BLOCK_D", block_d), ("BLOCK_DV", value_block(shapes.head_dim_v, block_d, aligned)),
+        ("BLOCK_D", block_d), ("BLOCK_DV", value_block(shapes.head_dim_v, block_d)),
         ("STRIDES_ALIGNED", aligned),
         ("HAS_LEFT", options.window_left is not None), ("HAS_RIGHT", options.window_right is not None),
         ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
