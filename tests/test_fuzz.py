@@ -186,3 +186,26 @@ def test_gpu_draw_shrinks_layouts_until_they_fit(monkeypatch):
     sparse = [c for c in drawn if c["kind"] == "blocksparse"]
     assert sparse and all(c["layout"]["block_q"] <= 64 for c in sparse)
     assert all(c["kind"] == "blocksparse" for c in checked)
+
+
+def test_a_lost_cuda_context_is_one_failure(monkeypatch):
+    """A configuration whose error leaves the worker's CUDA context unusable is the failure; the
+    configurations that worker takes afterwards are reported unchecked, not as failures of their own."""
+    def crash(c, x, device, seconds=None):
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
+    import dualattn.fuzz.check as check
+    monkeypatch.setattr(check, "check_valid", crash)
+    monkeypatch.setattr(run, "_context_lost_at", None)
+    configs = {i: run.draw_config(5, i, "cpu", 0.0) for i in range(3)}   # (drawing for cuda asks the GPU)
+    valid = sorted(configs)
+    records = [dict(run.run_config(configs[i], 5, i, "cuda"), config=configs[i]) for i in valid]
+    assert not records[0]["ok"] and records[0]["context_lost"]
+    assert all(r.get("unchecked") == f"not run: the worker's CUDA context was lost at 5:{valid[0]}" for r in records[1:])
+    summary = run.summary(records, seed=5, device="cpu", start=0, wall=1.0, workers=1, invalid_fraction=0.0)
+    assert summary["failures_count"] == 1 and summary["unchecked_count"] == 2
+    assert summary["configurations"] == 1
+    monkeypatch.setattr(run, "_context_lost_at", None)
+    # on the CPU the same error text is an ordinary failure: nothing is skipped after it
+    assert not run.run_config(configs[1], 5, 1, "cpu")["ok"]
+    assert run._context_lost_at is None

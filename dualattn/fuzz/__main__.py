@@ -52,7 +52,9 @@ def main(argv=None) -> int:
     s = fuzz(args.count, seed=args.seed, device=args.device, workers=args.workers, start=args.start,
              invalid_fraction=args.invalid_fraction, checkpoint=write if args.out else None)
     print(f"{s['configurations']} configurations ({s['valid']} valid, {s['invalid']} invalid) on {s['device_name']}: "
-          f"{s['failures_count']} failures, {s['wall_seconds']} s, {s['configs_per_second']} configs/s "
+          f"{s['failures_count']} failures"
+          + (f", {s['unchecked_count']} not run after a lost CUDA context" if s["unchecked_count"] else "")
+          + f", {s['wall_seconds']} s, {s['configs_per_second']} configs/s "
           f"({args.workers} workers; {s['mean_config_seconds']} s per configuration and worker)")
     if args.out:
         write(s)

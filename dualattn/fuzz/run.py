@@ -20,10 +20,26 @@ from typing import Callable, Optional
 from .draw import INVALID_FRACTION, draw_config, rng_for
 
 
+# CUDA errors that leave the process's context unusable: every later launch in this worker fails
+# with the same error, whatever its configuration.
+STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "ILLEGAL_ADDRESS", "MISALIGNED_ADDRESS",
+                      "illegal instruction", "unspecified launch failure", "device-side assert")
+# Set in a worker process once a configuration hit one of them: the configuration's replay.
+_context_lost_at: Optional[str] = None
+
+
 def run_config(c: dict, seed: int, index: int, device: str) -> dict:
-    """Run one drawn configuration: {"ok", "errors" | "error", "traceback"}; never raises."""
+    """Run one drawn configuration: {"ok", "errors" | "error", "traceback"}; never raises.  After a
+    configuration left this process's CUDA context unusable, later ones are not run: their record
+    says so (`unchecked`), so that one crash is one failure, not a failure of every later
+    configuration the worker takes."""
+    global _context_lost_at
     start = time.perf_counter()
     record = {"index": index, "replay": f"{seed}:{index}"}
+    if _context_lost_at is not None:
+        record.update(ok=True, unchecked=f"not run: the worker's CUDA context was lost at {_context_lost_at}",
+                      seconds=0.0)
+        return record
     try:
         if c["kind"] == "invalid":
             from .invalid import run_invalid
@@ -37,6 +53,9 @@ def run_config(c: dict, seed: int, index: int, device: str) -> dict:
     except Exception as e:   # every exception is a finding: reported with the configuration that made it
         record.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-6000:],
                       config=c)
+        if device == "cuda" and any(text in str(e) for text in STICKY_CUDA_ERRORS):
+            _context_lost_at = record["replay"]
+            record["context_lost"] = True
     record["seconds"] = time.perf_counter() - start
     return record
 
@@ -126,7 +145,9 @@ def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0
 
     def note(r):
         records.append(r)
-        if not r["ok"]:
+        if r.get("unchecked"):
+            log(f"UNCHECKED {r['replay']}: {r['unchecked']}")
+        elif not r["ok"]:
             log(f"FAIL {r['replay']} ({r['config']['kind']}): {r['error']}\n  config: {r['config']}\n"
                 f"  replay: python -m dualattn.fuzz --replay {r['replay']} --device {device}")
         if len(records) % 50 == 0 or len(records) == count:
@@ -165,6 +186,8 @@ def _mean_stages(records: list) -> dict:
 
 def summary(records: list, *, seed: int, device: str, start: int, wall: float, workers: int,
             invalid_fraction: float) -> dict:
+    unchecked = [r for r in records if r.get("unchecked")]
+    records = [r for r in records if not r.get("unchecked")]
     counts = collections.Counter()
     worst = collections.defaultdict(float)   # the largest relative error seen, by front end / quantity / dtype
     for r in records:
@@ -186,6 +209,8 @@ def summary(records: list, *, seed: int, device: str, start: int, wall: float, w
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "device_name": device_name(device), "versions": versions(),
         "seed": seed, "start": start, "configurations": len(records), "valid": valid,
+        # configurations a worker did not run after a crash lost its CUDA context (failures name the crash)
+        "unchecked_count": len(unchecked), "unchecked": [r["replay"] for r in unchecked],
         "invalid": len(records) - valid, "invalid_fraction": invalid_fraction,
         "failures_count": len(failures), "workers": workers, "wall_seconds": round(wall, 1),
         "configs_per_second": round(len(records) / wall, 3) if wall else None,
