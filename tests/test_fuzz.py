@@ -209,3 +209,19 @@ def test_a_lost_cuda_context_is_one_failure(monkeypatch):
     # on the CPU the same error text is an ordinary failure: nothing is skipped after it
     assert not run.run_config(configs[1], 5, 1, "cpu")["ok"]
     assert run._context_lost_at is None
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_sample_of_option_combinations():
+    """At least 300 random valid option combinations at GPU sizes (every option, head dims 16-256, GQA,
+    Sq != Sk, ragged varlen, block-sparse), forward and backward against the float64 reference on the
+    device, torch and a sample of jax: the fuzz, drawn afresh each run (seed in the message).  About
+    ten minutes on a 16-core H100/H200 host: `pytest -m "gpu and slow" tests/test_fuzz.py`."""
+    import os
+    seed = int(os.environ.get("DUALATTN_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+    summary = run.fuzz(320, seed=seed, device="cuda", workers=max(1, (os.cpu_count() or 2) - 2),
+                       invalid_fraction=0.0, log=None)
+    where = f" (python -m dualattn.fuzz --device cuda --seed {seed} --count 320 --invalid-fraction 0 reproduces it)"
+    assert summary["failures_count"] == 0, json.dumps(summary["failures"], indent=1)[:4000] + where
+    assert summary["unchecked_count"] == 0 and summary["valid"] >= 300, where
