@@ -68,6 +68,9 @@ def _inputs(case, device):
     return (q, k, v), opts, None
 
 
+LAUNCHED: list = []   # "kernel {flags}" of every launch of the running case (main's spy fills it)
+
+
 def run_case(name, case, device, repeat: int = 1) -> bool:
     """Whether out and the gradients are finite; with repeat > 1, also whether every rerun on the same
     inputs gives them bitwise equal (dQ only where the two-pass backward ran: the one-pass dQ is a sum of
@@ -86,9 +89,6 @@ def run_case(name, case, device, repeat: int = 1) -> bool:
             print("      rerun differs: " + ", ".join(differ))
             return False
     return finite
-
-
-LAUNCHED: list = []
 
 
 def _run_once(case, device) -> dict:
