@@ -99,6 +99,7 @@ def _cases() -> List[Case]:
               # GPT-OSS's sliding layers: a 128-token window with a sink per head
               Case("window_sinks_d64", 2, 8192, 32, 64, True, sinks=True, window=128),
               Case("plain_d256", 2, 4096, 8, 256, False),
+              Case("plain_causal_d256", 2, 4096, 8, 256, True),
               Case("dropout", 2, 4096, 16, 128, False, dropout=DROPOUT),
               Case("bias", 2, 4096, 16, 128, False, bias=True),
               Case("mask", 2, 4096, 16, 128, False, mask=True),

@@ -28,12 +28,25 @@ DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 2), (32, 128, 4, 3), (64,
         (32, 64, 4, 4)]
 DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2),
       (128, 32, 4, 4)]
+# Head dims above 128: a 256-wide row takes twice the shared memory and registers per tile.
+WIDE_FWD = [(128, 64, 8, 2), (128, 64, 8, 1), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 2), (64, 64, 4, 2),
+            (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2)]
+WIDE_DKDV = [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 64, 4, 2),
+             (64, 32, 4, 2), (32, 64, 4, 3), (16, 128, 8, 2), (64, 128, 8, 1)]
+WIDE_DQ = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
+           (64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 1)]
+
+
+def tile_lists(head_dim):
+    """(fwd, dK/dV, dQ) candidate tiles for a head dim."""
+    return (WIDE_FWD, WIDE_DKDV, WIDE_DQ) if head_dim > 128 else (FWD, DKDV, DQ)
 
 
 def _with(fwd, dkdv, dq):
     cfg = flash_plan.FlashConfig(flash_plan.TileConfig(*fwd), flash_plan.TileConfig(*dkdv),
                                  flash_plan.TileConfig(*dq))
     flash_plan.default_config = lambda *a, **k: cfg  # the front ends look it up at call time
+    flash_plan.forget_plans()   # and memoise each call's plan: planned again with these tiles
 
 
 COMPILE_ONLY = False  # set in --compile-workers processes: run each tile once, time nothing
@@ -57,20 +70,23 @@ def tune(head_dim, heads, seqlen, batch, causal, log, backward=True, part=None):
                for _ in range(3))
     do = torch.randn_like(q)
     flops = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    fwd_tiles, dkdv_tiles, dq_tiles = tile_lists(head_dim)
     mine = (lambda tiles: tiles[part[0]::part[1]] or tiles[:1]) if part else (lambda tiles: tiles)
     problem = dict(d=head_dim, s=seqlen, causal=causal)
     if part is None:  # the default launch, warp-specialised where the plan takes it
         flash_plan.default_config = _heuristics
+        flash_plan.forget_plans()
         switches.set_switches(DUALATTN_WS=None)
         _report(log, "fwd", "default", flops, _time_fwd(None, q, k, v, causal), problem)
         _report(log, "bwd", "default", 2.5 * flops, _time_bwd(None, None, None, q, k, v, do, causal), problem)
     switches.set_switches(DUALATTN_WS="0")   # the tiles tuned here: portable kernels
-    best_fwd = min(mine(FWD), key=lambda c: _report(log, "fwd", c, flops, _time_fwd(c, q, k, v, causal), problem))
+    best_fwd = min(mine(fwd_tiles), key=lambda c: _report(log, "fwd", c, flops, _time_fwd(c, q, k, v, causal),
+                                                          problem))
     if not backward:
-        return best_fwd, DKDV[0], DQ[0]
-    best_dkdv = min(mine(DKDV), key=lambda c: _report(log, "dkdv", c, 2.5 * flops,
-                                                      _time_bwd(best_fwd, c, DQ[0], q, k, v, do, causal), problem))
-    best_dq = min(mine(DQ), key=lambda c: _report(log, "dq", c, 2.5 * flops,
+        return best_fwd, dkdv_tiles[0], dq_tiles[0]
+    best_dkdv = min(mine(dkdv_tiles), key=lambda c: _report(
+        log, "dkdv", c, 2.5 * flops, _time_bwd(best_fwd, c, dq_tiles[0], q, k, v, do, causal), problem))
+    best_dq = min(mine(dq_tiles), key=lambda c: _report(log, "dq", c, 2.5 * flops,
                                                   _time_bwd(best_fwd, best_dkdv, c, q, k, v, do, causal), problem))
     return best_fwd, best_dkdv, best_dq
 
@@ -80,7 +96,8 @@ _heuristics = flash_plan.default_config
 
 def _time_fwd(c, q, k, v, causal):
     if c is not None:
-        _with(c, DKDV[0], DQ[0])
+        _, dkdv_tiles, dq_tiles = tile_lists(q.shape[-1])
+        _with(c, dkdv_tiles[0], dq_tiles[0])
     with torch.no_grad():
         return _time(lambda: dt.flash_attention(q, k, v, causal=causal))
 

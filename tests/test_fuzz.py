@@ -225,3 +225,17 @@ def test_gpu_sample_of_option_combinations():
     where = f" (python -m dualattn.fuzz --device cuda --seed {seed} --count 320 --invalid-fraction 0 reproduces it)"
     assert summary["failures_count"] == 0, json.dumps(summary["failures"], indent=1)[:4000] + where
     assert summary["unchecked_count"] == 0 and summary["valid"] >= 300, where
+
+
+@pytest.mark.gpu
+def test_gpu_narrow_query_key_tile_replays_clean():
+    """The GPU fuzz's 20261128:570 (fp32 block-sparse, D = 16, Dv = 168, causal, segment ids) at 100
+    queries: jax-triton compiles the scalar num_k_blocks = 1 as a constexpr, and that dQ variant wrote
+    shared memory at a misaligned address (memcheck) with the 16-column q/k tile; plan.head_blocks
+    widens it.  Torch, jax-triton and the float64 reference on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    c = {**draw.draw_config(20261128, 570, "cuda"), "Sq": 100}
+    assert (c["kind"], c["dtype"], c["D"], c["Dv"], c["jax"]) == ("blocksparse", "float32", 16, 168, ["triton"])
+    errors = check.check_valid(c, make_inputs(draw.rng_for(20261128, 570, 1), c), "cuda")
+    assert set(errors) == {"torch", "jax-triton", "torch-vs-jax"}, errors

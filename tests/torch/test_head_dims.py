@@ -23,9 +23,19 @@ def test_padded_head_dims(d, dv, torch_gen):
         assert relative_error(a.detach().numpy(), r.detach().numpy()) < 2e-5
 
 
+def test_narrow_head_dim_tiles_are_widened():
+    """plan.head_blocks: a tile of 32 columns or fewer narrower than the other operand's is widened to
+    min(the other, 64), V's or q/k's; equal or wide tiles stay powers of two of their head dims."""
+    from dualattn.kernels.flash.plan import head_blocks
+    assert head_blocks(128, 16) == (128, 64) and head_blocks(40, 32) == (64, 64) and head_blocks(24, 16) == (32, 32)
+    assert head_blocks(16, 168) == (64, 256) and head_blocks(16, 32) == (32, 32) and head_blocks(32, 256) == (64, 256)
+    assert head_blocks(16, 16) == (16, 16) and head_blocks(192, 160) == (256, 256) and head_blocks(48, 112) == (64, 128)
+
+
 # A V tile of 32 columns or fewer narrower than q/k's: Triton 3.6 miscompiled these portable kernels on
 # sm_90 (wrong outputs, illegal addresses; GPU fuzz seeds 20261127:621 with unaligned rows, 20261128:418
-# in fp32 with D = 128).  plan.value_block widens such V tiles; the interpreter never saw the problem.
+# in fp32 with D = 128).  plan.head_blocks widens such V tiles (and narrow q/k tiles: 20261128:570,
+# tests/test_fuzz.py); the interpreter never saw the problem.
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,dv,dtype", [(24, 16, "bfloat16"), (20, 16, "bfloat16"), (40, 16, "bfloat16"),
                                         (40, 24, "bfloat16"), (40, 32, "bfloat16"), (56, 32, "bfloat16"),

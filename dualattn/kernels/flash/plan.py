@@ -68,17 +68,22 @@ def softcap_mode(shapes: FlashShapes, options: FlashOptions, hardware_tanh: bool
     return rules.SOFTCAP_EXP2
 
 
-def value_block(head_dim_v: int, block_d: int) -> int:
-    """BLOCK_DV: V's head dim padded to a power of two, but never a tile of 32 columns or fewer
-    narrower than q/k's: Triton 3.6 miscompiles those portable kernels on sm_90 (wrong outputs or
-    illegal addresses at D = 20-72 with Dv = 16-32 and unaligned rows, and an out-of-range shared
-    address in the fp32 block-sparse dK/dV at D = 128, Dv = 16; found by the GPU fuzz,
-    benchmarks/NOTES.md "Narrow V tiles").  Such a V tile is widened to min(BLOCK_D, 64) columns;
-    the kernels mask the padding (BLOCK_DV != HEAD_DIM_V)."""
-    block_dv = max(16, next_pow2(head_dim_v))
+def head_blocks(head_dim: int, head_dim_v: int) -> Tuple[int, int]:
+    """(BLOCK_D, BLOCK_DV): the q/k and v head dims padded to powers of two, but never a tile of 32
+    columns or fewer narrower than the other's: Triton 3.6 miscompiles those portable kernels on
+    sm_90 (benchmarks/NOTES.md "Narrow head-dim tiles", all found by the GPU fuzz):
+    - narrow V: wrong outputs or illegal addresses at D = 20-72 with Dv = 16-32 and unaligned rows,
+      and an out-of-range shared address in the fp32 block-sparse dK/dV at D = 128, Dv = 16;
+    - narrow q/k: a misaligned 16-byte shared store in the fp32 block-sparse dQ at D = 16,
+      Dv = 168 (the variant jax-triton compiles, which makes a scalar equal to 1 a constexpr).
+    Such a tile is widened to min(the other, 64) columns; the kernels mask the padding
+    (BLOCK_D != HEAD_DIM, BLOCK_DV != HEAD_DIM_V)."""
+    block_d, block_dv = (max(16, next_pow2(d)) for d in (head_dim, head_dim_v))
     if block_dv <= 32 and block_dv < block_d:
         block_dv = min(block_d, 64)
-    return block_dv
+    elif block_d <= 32 and block_d < block_dv:
+        block_d = min(block_dv, 64)
+    return block_d, block_dv
 
 
 def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]],
@@ -128,10 +133,10 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
     )
     # Every q/k/v/o stride divisible by 16 elements lets the kernels vectorise row loads.
     aligned = all(s % 16 == 0 for s in (qb, qs, qh, kb, ks, kh, vb, vs, vh, ob, os_, oh))
-    block_d = max(16, next_pow2(shapes.head_dim))
+    block_d, block_dv = head_blocks(shapes.head_dim, shapes.head_dim_v)
     constexprs = (
         ("HEAD_DIM", shapes.head_dim), ("HEAD_DIM_V", shapes.head_dim_v),
-        ("BLOCK_D", block_d), ("BLOCK_DV", value_block(shapes.head_dim_v, block_d)),
+        ("BLOCK_D", block_d), ("BLOCK_DV", block_dv),
         ("STRIDES_ALIGNED", aligned),
         ("HAS_LEFT", options.window_left is not None), ("HAS_RIGHT", options.window_right is not None),
         ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),

@@ -70,6 +70,11 @@ TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
     "sm90:d128:causal": ((128, 128, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
     "sm90:d64:full": ((64, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 3)),
     "sm90:d64:causal": ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)),
+    # H200 (sm_90, the H100's shared memory), 2026-11-26, D=256 (and 192, padded to it), S=4096, B=2, H=16,
+    # bf16 (benchmarks/results/2026-11-26_h200_tune_d256_log.json): forward 378 -> 501 TFLOP/s and backward alone 95 -> 262
+    # non-causal.  The old heuristic's 32-row backward tiles left the tensor cores idle.
+    "sm90:d256:full": ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 3)),
+    "sm90:d256:causal": ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 3)),
 }
 TUNED_FILE_ENV = "DUALATTN_FLASH_TUNED"  # a JSON file of the same table overrides it (switches.py)
 
