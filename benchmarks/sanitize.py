@@ -41,6 +41,13 @@ CASES = [
     ("gluon forward + two-pass ws backward", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(causal=True))),
     ("gluon forward + one-pass backward", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(causal=True))),
     ("one-pass persistent d64", True, dict(b=2, s=4096, h=4, hkv=4, d=64, opts=dict())),
+    ("gluon forward + one-pass backward, window and sinks", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(
+        causal=True, sliding_window=(700, 0), softmax_aux="head"))),
+    ("gluon forward sinks, not causal", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(softmax_aux="head"))),
+    ("portable documents (single-id runs skip the compare)", False, dict(b=1, s=2048, h=2, hkv=2, d=64, opts=dict(
+        causal=True, segments=500))),
+    ("portable narrow q/k tile, fp32 block-sparse", False, dict(b=2, s=100, sk=7, h=4, hkv=2, d=16, dv=168,
+                                                                 dtype=torch.float32, sparse=True)),
 ]
 
 
@@ -56,13 +63,15 @@ def _inputs(case, device):
     b, s = c["b"], c["s"]
     sk = c.get("sk", s)
     q = torch.randn(b, s, h, d, device=device, dtype=dtype)
-    k, v = (torch.randn(b, sk, hkv, d, device=device, dtype=dtype) for _ in range(2))
+    k = torch.randn(b, sk, hkv, d, device=device, dtype=dtype)
+    v = torch.randn(b, sk, hkv, c.get("dv", d), device=device, dtype=dtype)
     if opts.pop("bias", False):
         opts["bias"] = torch.randn(b, 1, s, sk, device=device, dtype=dtype)
     if opts.pop("mask", False):
         opts["attention_mask"] = torch.rand(1, h, s, sk, device=device) < 0.8
-    if opts.pop("segments", False):
-        opts["q_segment_ids"] = (torch.arange(s, device=device) // 50).expand(b, s)
+    segments = opts.pop("segments", False)
+    if segments:   # documents of `segments` tokens (True: 50)
+        opts["q_segment_ids"] = (torch.arange(s, device=device) // (50 if segments is True else segments)).expand(b, s)
     if opts.get("softmax_aux") == "head":
         opts["softmax_aux"] = torch.randn(h, device=device)
     return (q, k, v), opts, None
@@ -101,8 +110,9 @@ def _run_once(case, device) -> dict:
                            fullgraph=True)
         out = fn(q, k, v, cu)
     elif case.get("sparse"):
-        layout = SparseMask.from_block_map((masks.causal() & masks.local(128))(1, 1, q.shape[1], k.shape[1], 64, 64),
-                                           64, 64)
+        block = 64 if q.shape[1] > 100 else 32
+        layout = SparseMask.from_block_map((masks.causal() & masks.local(128))(1, 1, q.shape[1], k.shape[1], block,
+                                                                               block), block, block)
         out = dt.blocksparse_attention(q, k, v, layout=layout, causal=True)
     else:
         out = dt.flash_attention(q, k, v, **opts)
@@ -128,7 +138,7 @@ def main(argv=None) -> int:
     def spy(launch, *a, **kw):
         flags = {n: v for n, v in launch.constexprs if n in (
             "WARP_SPECIALIZE", "PERSISTENT", "SPLIT_BAND", "EDGES_IN_LOOP", "TMA", "BLOCK_SPARSE", "IS_VARLEN",
-            "CAUSAL", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "SOFTCAP", "NUM_SINKS") and v}
+            "CAUSAL", "WINDOW", "SEGMENT_SKIP", "HAS_DROPOUT", "HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "SOFTCAP", "NUM_SINKS") and v}
         launched.append(f"{launch.kernel} {flags}")
         return real_run(launch, *a, **kw)
 
