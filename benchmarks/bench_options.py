@@ -100,6 +100,8 @@ def _cases() -> List[Case]:
               Case("window_sinks_d64", 2, 8192, 32, 64, True, sinks=True, window=128),
               Case("plain_d256", 2, 4096, 8, 256, False),
               Case("plain_causal_d256", 2, 4096, 8, 256, True),
+              Case("plain_d192", 2, 4096, 8, 192, False),
+              Case("plain_d96", 2, 4096, 16, 96, False),
               Case("dropout", 2, 4096, 16, 128, False, dropout=DROPOUT),
               Case("bias", 2, 4096, 16, 128, False, bias=True),
               Case("mask", 2, 4096, 16, 128, False, mask=True),

@@ -31,8 +31,8 @@ DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 1
 # Head dims above 128: a 256-wide row takes twice the shared memory and registers per tile.
 WIDE_FWD = [(128, 64, 8, 2), (128, 64, 8, 1), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 2), (64, 64, 4, 2),
             (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2)]
-WIDE_DKDV = [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 64, 4, 2),
-             (64, 32, 4, 2), (32, 64, 4, 3), (16, 128, 8, 2), (64, 128, 8, 1)]
+WIDE_DKDV = [(64, 32, 4, 2), (128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (32, 32, 4, 3),
+             (32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 1)]
 WIDE_DQ = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
            (64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 1)]
 
@@ -120,7 +120,7 @@ def _report(log, what, c, flops, ms, problem):
 def _problems(args):
     for d in (int(x) for x in args.head_dims.split(",")):
         for seqlen in (int(x) for x in args.seqlens.split(",")):
-            for causal in (False, True):
+            for causal in {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]:
                 yield d, seqlen, causal
 
 
@@ -140,6 +140,7 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--forward-only", action="store_true", help="tune the forward tiles only")
     ap.add_argument("--compile-workers", type=int, default=0)
+    ap.add_argument("--causal", choices=("both", "full", "causal"), default="both", help="which problems to tune")
     args = ap.parse_args()
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor

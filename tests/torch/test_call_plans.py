@@ -117,3 +117,27 @@ def test_forward_without_gradients_skips_autograd(plans, torch_gen):
     tracked = dt.flash_attention(q, k, v, causal=True)
     assert plain.grad_fn is None and tracked.grad_fn is not None
     assert torch.equal(plain, tracked.detach())
+
+
+def test_varlen_tables_are_read_on_the_host_once(monkeypatch):
+    """Reading a CUDA table's values synchronises with the GPU: a cu_seqlens pair is checked on its
+    first call, not on the next layers' calls, and again once it changes in place or is replaced; a
+    bad table still raises before any launch."""
+    from dualattn.torch_api import flash as torch_flash
+    reads = []
+    real_check = torch_flash.check_cu_seqlens_values
+    monkeypatch.setattr(torch_flash, "check_cu_seqlens_values", lambda *a: reads.append(a) or real_check(*a))
+    q = torch.randn(24, 2, 16)
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32)
+    for _ in range(3):
+        dt.flash_attn_varlen_func(q, q, q, cu, cu, 15, 15, causal=True)
+    assert len(reads) == 1
+    dt.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, causal=True)   # other maxima: checked against them
+    assert len(reads) == 2
+    fresh = cu.clone()
+    dt.flash_attn_varlen_func(q, q, q, fresh, fresh, 15, 15, causal=True)
+    assert len(reads) == 3
+    fresh[1] = 30   # in place: its version moves on
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        dt.flash_attn_varlen_func(q, q, q, fresh, fresh, 15, 15, causal=True)
+    assert len(reads) == 4
