@@ -287,7 +287,7 @@ def test_selected_branch_gpu(torch_gen, group, dtype):
 @pytest.mark.parametrize("d, dv", [(40, 32), (24, 16), (72, 32)])
 def test_selected_branch_narrow_values_gpu(torch_gen, d, dv):
     """Head dims whose rows are not 16-aligned with narrow V tiles: Triton 3.6 miscompiled the flash
-    kernels there on sm_90 (NOTES: "Narrow V tiles miscompile"); NSA's kernels
+    kernels there on sm_90 (NOTES: "Narrow head-dim tiles miscompile"); NSA's kernels
     pad V to their own tiles, checked here on the GPU against the reference."""
     seqlen, block_size = 512, 32
     q, k, v = qkv(torch_gen, 1, seqlen, 8, 2, d, dv, dtype=torch.bfloat16, device="cuda")
