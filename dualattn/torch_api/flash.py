@@ -547,9 +547,12 @@ _CHECKED_TABLES = _CheckedTables()
 
 def _check_tables(cu_q: Tensor, cu_k: Tensor, shapes) -> None:
     limits = (shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
-    if not _CHECKED_TABLES.known(cu_q, cu_k, limits):
+    # Tensors made under torch.inference_mode keep no version counter: read on every call.
+    remembered = not (cu_q.is_inference() or cu_k.is_inference())
+    if not (remembered and _CHECKED_TABLES.known(cu_q, cu_k, limits)):
         check_cu_seqlens_values(cu_q.tolist(), cu_k.tolist(), *limits)
-        _CHECKED_TABLES.add(cu_q, cu_k, limits)
+        if remembered:
+            _CHECKED_TABLES.add(cu_q, cu_k, limits)
 
 
 def _sanitized_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:

@@ -141,3 +141,8 @@ def test_varlen_tables_are_read_on_the_host_once(monkeypatch):
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
         dt.flash_attn_varlen_func(q, q, q, fresh, fresh, 15, 15, causal=True)
     assert len(reads) == 4
+    with torch.inference_mode():   # no version counter to trust: read on every call
+        served = torch.tensor([0, 9, 24], dtype=torch.int32)
+        for _ in range(2):
+            dt.flash_attn_varlen_func(q, q, q, served, served, 15, 15, causal=True)
+    assert len(reads) == 6
