@@ -10,6 +10,10 @@ launch would compile anyway; cached per variant in-process) and replaced by a sm
 does not fit.  The warp-specialised and Gluon kernels run fixed tiles on option-free problems that
 are known to fit, and are not recompiled here.
 
+Registers need no such check: Triton declares each kernel's thread count to ptxas (.maxntid, at most
+8 warps in these plans), and ptxas keeps a thread within 255 registers and the block within the SM's
+64K, spilling to local memory if it must. A register shortage costs speed, never a launch.
+
 Framework-free: the launchers pass the arch, the device's shared-memory limit and the input dtypes.
 """
 from __future__ import annotations
