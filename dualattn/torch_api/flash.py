@@ -514,45 +514,30 @@ def _capturing(t: Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-class _CheckedTables:
-    """The cu_seqlens pairs whose values passed check_cu_seqlens_values against given totals and
-    maxima.  Reading a CUDA table on the host synchronises with the GPU, and every attention layer
-    of a packed batch passes the same tables: checked once, a pair is not read again until it
-    changes (its version counter) or is freed, so a training step syncs once, not once per layer
-    (a per-call sync cost the docs_varlen benchmark a quarter of its forward speed against jax,
-    which never reads the tables)."""
-
-    MAX_ENTRIES = 64
-
-    def __init__(self):
-        self._entries = {}
-
-    def _key(self, cu_q: Tensor, cu_k: Tensor, limits: tuple):
-        return (id(cu_q), id(cu_k), limits)
-
-    def known(self, cu_q: Tensor, cu_k: Tensor, limits: tuple) -> bool:
-        entry = self._entries.get(self._key(cu_q, cu_k, limits))
-        return (entry is not None and entry[0]() is cu_q and entry[1]() is cu_k
-                and entry[2] == (cu_q._version, cu_k._version))
-
-    def add(self, cu_q: Tensor, cu_k: Tensor, limits: tuple) -> None:
-        if len(self._entries) >= self.MAX_ENTRIES:
-            self._entries.clear()
-        self._entries[self._key(cu_q, cu_k, limits)] = (weakref.ref(cu_q), weakref.ref(cu_k),
-                                                        (cu_q._version, cu_k._version))
-
-
-_CHECKED_TABLES = _CheckedTables()
+# cu_seqlens pairs whose values passed check_cu_seqlens_values, by (ids, totals and maxima): weak
+# references to both tables and their version counters.  Reading a CUDA table on the host synchronises
+# with the GPU, and every attention layer of a packed batch passes the same tables: checked once, a pair
+# is read again only once it changes in place or is freed, so a training step syncs once, not once per
+# layer (a per-call sync cost the docs_varlen benchmark a quarter of its forward speed against jax,
+# which never reads the tables).
+_CHECKED_TABLES: dict = {}
+_CHECKED_TABLES_MAX = 64
 
 
 def _check_tables(cu_q: Tensor, cu_k: Tensor, shapes) -> None:
     limits = (shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
     # Tensors made under torch.inference_mode keep no version counter: read on every call.
-    remembered = not (cu_q.is_inference() or cu_k.is_inference())
-    if not (remembered and _CHECKED_TABLES.known(cu_q, cu_k, limits)):
+    if cu_q.is_inference() or cu_k.is_inference():
         check_cu_seqlens_values(cu_q.tolist(), cu_k.tolist(), *limits)
-        if remembered:
-            _CHECKED_TABLES.add(cu_q, cu_k, limits)
+        return
+    key, versions = (id(cu_q), id(cu_k), limits), (cu_q._version, cu_k._version)
+    seen = _CHECKED_TABLES.get(key)
+    if seen is not None and seen[0]() is cu_q and seen[1]() is cu_k and seen[2] == versions:
+        return
+    check_cu_seqlens_values(cu_q.tolist(), cu_k.tolist(), *limits)
+    if len(_CHECKED_TABLES) >= _CHECKED_TABLES_MAX:
+        _CHECKED_TABLES.clear()
+    _CHECKED_TABLES[key] = (weakref.ref(cu_q), weakref.ref(cu_k), versions)
 
 
 def _sanitized_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
@@ -588,7 +573,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     if shapes.varlen:
         if not torch.compiler.is_compiling() and not _capturing(cu_seqlens_q):
             # A device->host copy of the (small) tables: a sync on CUDA, so once per table
-            # (_CheckedTables) and skipped where it cannot happen (torch.compile graphs, CUDA-graph capture).
+            # (_check_tables) and skipped where it cannot happen (torch.compile graphs, CUDA-graph capture).
             _check_tables(cu_seqlens_q, cu_seqlens_k, shapes)
         else:
             # Unchecked tables run made non-decreasing and clipped to the packed tokens, so sequences
