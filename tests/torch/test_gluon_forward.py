@@ -59,6 +59,19 @@ def test_plan_takes_the_gluon_forward():
     assert (window.constexpr_dict["CAUSAL"], window.constexpr_dict["WINDOW"]) == (True, True)
     assert dict(window.scalars)["window_left"] == 100
 
+def test_plan_takes_the_gluon_forward_for_documents():
+    """Segment ids: the launch of the tiles' segment ranges (128-row query tiles over 128-wide key tiles,
+    the Gluon tile), then the Gluon forward reading them."""
+    launch = _plan(causal=True, segments=True, sq=2048, sk=2048)
+    ranges, gluon = launch.chain
+    assert (ranges.kernel, gluon.kernel) == ("segment_ranges_kernel", GLUON_FWD)
+    assert (ranges.constexpr_dict["BLOCK_OWN"], ranges.constexpr_dict["BLOCK_OTHER"]) == (128, 128)
+    assert ranges.grid == (16, 2, 1) and gluon.constexpr_dict["SEGMENTS"]
+    assert dict(gluon.resume) == {"segment_ranges": "segment_ranges"}
+    assert dict(gluon.scalars)["seg_stride_qb"] == 2048
+    assert not _plan(causal=True).constexpr_dict["SEGMENTS"]
+
+
 def test_plan_keeps_the_triton_forward(monkeypatch):
     for kwargs in (dict(gluon=False), dict(bias=True), dict(d=96),
                    dict(dtype="float32"), dict(logits_soft_cap=5.0), dict(dropout_prob=0.1),
@@ -75,13 +88,15 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
     (128, True, 4, 4, "bfloat16", 1024, {}), (128, False, 8, 2, "bfloat16", 1024, {}),
     (64, True, 8, 2, "float16", 1024, {}), (64, False, 4, 4, "bfloat16", 1000, {}),
     (128, True, 4, 2, "bfloat16", 1000, {}), (128, False, 4, 4, "bfloat16", 1024, dict(sinks=True)),
-    (64, False, 4, 2, "bfloat16", 1000, dict(sliding_window=(200, 0), sinks=True))])
+    (64, False, 4, 2, "bfloat16", 1000, dict(sliding_window=(200, 0), sinks=True)),
+    (128, True, 4, 2, "bfloat16", 1024, dict(segments=True)), (64, False, 4, 4, "float16", 1000, dict(segments=True))])
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
     """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store."""
-    launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk, **extra)
+    launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk, **extra).chain[-1]
     assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
     compiled = compile_check.compile_launch(
-        launch, {**dict.fromkeys(("query", "key", "value"), dtype), "softmax_aux": "float32"}, arch=90)
+        launch, {**dict.fromkeys(("query", "key", "value"), dtype), "softmax_aux": "float32",
+                 **dict.fromkeys(("q_segment_ids", "kv_segment_ids", "segment_ranges"), "int32")}, arch=90)
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.num_warps == 12
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
@@ -148,3 +163,52 @@ def test_gpu_gluon_forward_sink_values(monkeypatch, seed):
         assert torch.equal(lse == float("inf"), ref_lse == float("inf"))
         finite = torch.isfinite(ref_lse)
         assert_close_rel(lse[finite], ref_lse[finite], 1e-2, "lse")
+
+
+def _runs(*runs):
+    """Segment ids as (id, length) runs."""
+    return torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in runs])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("docs", ["tile-aligned", "ragged", "repeated-id", "wide-int64"])
+def test_gpu_gluon_forward_documents(monkeypatch, seed, causal, docs):
+    """Segment ids on the Gluon forward: each query tile visits its key tiles that share an id (the
+    segment ranges), compares ids only outside its one-id run; documents aligned to the 128-row tiles
+    or not, an id that comes back later (a wider range, compared), ids of 2**40 and more (int64).
+    Against the float64 reference, forward and backward (the backward runs the portable kernels)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    ids = {"tile-aligned": _runs((0, 512), (1, 1024), (2, 512)),
+           "ragged": _runs((0, 300), (1, 1000), (2, 517), (3, 231)),
+           "repeated-id": _runs((0, 700), (1, 600), (0, 400), (2, 348)),
+           "wide-int64": _runs((2 ** 40, 900), (2 ** 40 + 1, 1148))}[docs]
+    s = len(ids)
+    seg = ids[None].expand(2, s).contiguous().cuda()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, s, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, s, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+    chains, real_plan = [], flash_plan.plan_forward
+
+    def spy(*args, **kwargs):
+        planned = real_plan(*args, **kwargs)
+        chains.append([launch.kernel for launch in planned.chain])
+        return planned
+
+    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
+    assert chains == [["segment_ranges_kernel", GLUON_FWD]], chains
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, q_segment_ids=seg, kv_segment_ids=seg)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    assert not torch.isnan(out).any()
+    assert_close_rel(out, ref_out, 1e-2, "out")
+    assert_close_rel(lse, ref_lse, 1e-2, "lse")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close_rel(g, r, 1e-2, name)

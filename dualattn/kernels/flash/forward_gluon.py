@@ -34,8 +34,9 @@ from .rules import GLUON_FWD_INTS
 
 
 @gluon.jit
-def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM: gl.constexpr, BN: gl.constexpr,
-              GROUP: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, BM: gl.constexpr,
+              BN: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              SEGMENTS: gl.constexpr):
     """Query tile `sub` of work item w: whether it exists, its batch, query head, KV head, first
     query row, the key tiles to visit [n_first, n_tiles), and which of those need no mask: tiles
     [n_left_full, n_full).  One head's items are consecutive, so programs taking items in turn work
@@ -43,7 +44,9 @@ def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM: gl
     pair of query tiles, t from the end and t from the start (the middle one alone when the count is
     odd): every item then has as many key tiles to visit, and programs taking items in turn finish
     together (with a window, every tile but the first few visits as many anyway).  WINDOW (causal
-    only): row m also needs key n >= m + diag - window_left."""
+    only): row m also needs key n >= m + diag - window_left.  SEGMENTS: the tile's segment ranges
+    (segments.py, for BM-row query tiles and BN-wide key tiles) narrow its key tiles to those sharing an
+    id with it, and its unmasked ones to the run whose ids all equal its one id."""
     n_q_tiles = gl.cdiv(seqlen_q, BM)
     if CAUSAL:
         n_pairs = gl.cdiv(n_q_tiles, 2)
@@ -73,14 +76,20 @@ def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM: gl
     else:
         n_tiles = gl.cdiv(seqlen_k, BN)
         n_full = seqlen_k // BN
+    if SEGMENTS:
+        ranges = SEGMENT_RANGES + (batch.to(gl.int64) * n_q_tiles + t) * 4
+        n_first = gl.minimum(gl.maximum(n_first, gl.load(ranges) // BN), n_tiles)
+        n_tiles = gl.maximum(gl.minimum(n_tiles, gl.cdiv(gl.load(ranges + 1), BN)), n_first)
+        n_left_full = gl.maximum(n_left_full, gl.load(ranges + 2) // BN)
+        n_full = gl.minimum(n_full, gl.load(ranges + 3) // BN)
     return valid, batch, head, head // GROUP, m0, n_first, n_tiles, n_left_full, n_full
 
 
 @gluon.jit
 def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, HEAD_DIM: gl.constexpr,
-              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr):
+              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES,
+              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     r = 0     # key tiles so far, counted alike in every partition
@@ -88,7 +97,8 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     for w in range(w_first, w_end, w_step):
         for sub in range(SUBS):
             valid, batch, head, kv_head, m0, n_first, n_tiles, _, _ = _fwd_item(
-                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM, BN, GROUP, CAUSAL, WINDOW)
+                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP, CAUSAL,
+                WINDOW, SEGMENTS)
             if valid:
                 q_row = batch * seqlen_q + m0
                 k_row = batch * seqlen_k
@@ -112,8 +122,9 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, CAUSAL: gl.constexpr,
-             WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr):
+def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW,
+             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
+             SEGMENTS: gl.constexpr):
     """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
     Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
     FMA per element."""
@@ -131,6 +142,9 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
                 ok = ok & gl.expand_dims(keys < seqlen_k, 0)
         else:
             ok = gl.expand_dims(keys < seqlen_k, 0)
+        if SEGMENTS:   # tiles outside the tile's one-id run: keys of another document are masked
+            k_ids = gl.load(KSEG_ROW + keys, mask=keys < seqlen_k, other=-1)
+            ok = ok & (gl.expand_dims(q_ids, 1) == gl.expand_dims(k_ids, 0))
         s = gl.where(ok, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
@@ -141,9 +155,9 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
 
 @gluon.jit
 def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-              v_ready, k_empty, v_empty, seqlen_k, diag, window_left, qk_scale, HALF: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, EVEN_K: gl.constexpr):
+              v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (ring positions r on):
     (O unnormalised, row max, row sum, its rows)."""
     HM: gl.constexpr = BM // 2
@@ -155,6 +169,9 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
     dtype: gl.constexpr = q_smem.dtype
     zero_s = gl.zeros([HM, BN], gl.float32, s_layout)
     rows = m0 + HALF * HM + gl.arange(0, HM, layout=row_s)
+    q_ids = 0
+    if SEGMENTS:
+        q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
     m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)
     acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)
@@ -169,7 +186,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
         mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n_first * BN, rows, seqlen_k, diag, window_left,
-                                       (n_first < n_left_full) | (n_first >= n_full), CAUSAL, WINDOW, BN, EVEN_K)
+                                       (n_first < n_left_full) | (n_first >= n_full), q_ids, KSEG_ROW, CAUSAL,
+                                       WINDOW, BN, EVEN_K, SEGMENTS)
         for i in range(1, count):
             j = n_first + i
             rn = r + i
@@ -186,7 +204,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
             mbarrier.arrive(k_empty.index(sn), count=1)
             mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
-                                          (j < n_left_full) | (j >= n_full), CAUSAL, WINDOW, BN, EVEN_K)
+                                          (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, CAUSAL, WINDOW, BN,
+                                          EVEN_K, SEGMENTS)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + count - 1
@@ -227,10 +246,11 @@ def _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS: gl.constexpr, SINKS_PER_H
 @gluon.jit
 def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                  o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k,
-                 num_heads_q, diag, window_left, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb, seg_stride_kb,
+                 HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
-                 SINKS_PER_HEAD: gl.constexpr):
+                 SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
@@ -243,12 +263,15 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
     for w in range(w_first, w_end, w_step):
         for sub in range(SUBS):
             valid, batch, head, kv_head, m0, n_first, n_tiles, n_left_full, n_full = _fwd_item(
-                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, BM, BN, GROUP, CAUSAL, WINDOW)
+                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP, CAUSAL,
+                WINDOW, SEGMENTS)
             if valid:
+                b64 = batch.to(gl.int64)
                 acc, m_i, l_i, rows = _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs,
-                                                v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_k,
-                                                diag, window_left, qk_scale, HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL,
-                                                WINDOW, EVEN_K)
+                                                v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_q,
+                                                seqlen_k, diag, window_left, qk_scale, QSEG + b64 * seg_stride_qb,
+                                                KSEG + b64 * seg_stride_kb, HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                                                WINDOW, EVEN_K, SEGMENTS)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -277,14 +300,14 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
 
 @gluon.jit(do_not_specialize=GLUON_FWD_INTS)
 def flash_fwd_gluon_kernel(
-    Q, K, V, SINKS,
+    Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-    batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale,
+    batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
     OUT, LSE, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
-    NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr,
+    NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
@@ -330,13 +353,15 @@ def flash_fwd_gluon_kernel(
     gl.warp_specialize([
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, window_left, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD)),
+                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
+                        seg_stride_qb, seg_stride_kb, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, window_left, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD)),
+                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
+                        seg_stride_qb, seg_stride_kb, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, HEAD_DIM,
-                     BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW)),
+                     v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
+                     SEGMENT_RANGES, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, SEGMENTS)),
     ], [4, 1], [240, 24])

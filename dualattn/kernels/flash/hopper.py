@@ -291,14 +291,18 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
 
     What the Gluon kernels need (_gluon_specializable), head dims of 64 or 128 (equal
     for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
-    GPT-OSS), sinks of any count (joined after the loop); descriptors over whole arrays, so in
+    GPT-OSS), sinks of any count (joined after the loop), segment ids (packed documents, not
+    varlen: _warp_specializable); descriptors over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
     if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
         return False
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False
-    if not _gluon_specializable(shapes, sparse, constexprs):
+    # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
+    # compared on the tiles outside its one-id run.
+    plain = tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
+    if not _gluon_specializable(shapes, sparse, plain):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
 

@@ -227,29 +227,34 @@ def _memoised(plan_fn):
 def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
                           num_sms: int) -> Launch:
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
-    causal, a pair of them)."""
+    causal, a pair of them); with segment ids, after the launch of its tiles' segment ranges."""
     block_m, block_n, stages = GLUON_FWD_TILE
     causal = options.window_right == 0   # (gluon_forward: a window_left only with it)
     q_tiles = cdiv(shapes.seqlen_q, block_m)
     num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal else q_tiles)
     grid = (max(1, min(num_sms or num_work, num_work)), 1, 1)
-    return Launch(
+    segments = shapes.has_segments
+    main = Launch(
         module="flash.forward_gluon", kernel="flash_fwd_gluon_kernel", grid=grid,
-        inputs=("query", "key", "value", "softmax_aux"),
+        inputs=("query", "key", "value", "softmax_aux", "q_segment_ids", "kv_segment_ids", "segment_ranges"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ob",
                                                "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
         + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
            ("num_heads_q", shapes.heads_q), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
-           ("sm_scale", float(options.softmax_scale))),
+           ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
+           ("seg_stride_kb", scalar["seg_stride_kb"])),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
-                    ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head)),
-        num_warps=GLUON_FWD_WARPS, num_stages=1)
+                    ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
+                    ("SEGMENTS", segments)),
+        num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
+    # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
+    return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
 
 
 def environment() -> switches.Switches:
