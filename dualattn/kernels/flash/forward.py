@@ -70,11 +70,13 @@ def _fwd_inner(acc, l_i, m_i, q, q_seg, q_pos, row_hash, offs_m, lo, hi, full_lo
             # band loop fold it, -inf * scale staying -inf.)
             s = qk
             s_scale = sm_scale * LOG2E
-        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS and not EDGES_IN_LOOP)
         k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
         if EDGES_IN_LOOP:
+            # (with segments, SEGMENT_SKIP: the interior [full_lo, full_hi) is one document)
             s = mask_band_edge(s, (start_n < full_lo) | (start_n >= full_hi), offs_m, offs_n, seqlen_q, seqlen_k,
-                               diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, False)
+                               diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, False, q_seg, KSEG_ROW,
+                               HAS_SEGMENTS)
         elif POSITIONAL or HAS_SEGMENTS or HAS_MASK:
             ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                            q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
@@ -122,9 +124,10 @@ def flash_fwd_kernel(
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_BAND: tl.constexpr,
     EDGES_IN_LOOP: tl.constexpr, PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
 ):
-    # EDGES_IN_LOOP's branch masks positions only, and only plain dense bands (plan.edges_in_loop).
-    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
-                                             or WARP_SPECIALIZE or SPLIT_BAND)))
+    # EDGES_IN_LOOP's branch masks positions, and segment ids where the interior is one document
+    # (SEGMENT_SKIP), on dense bands (plan.edges_in_loop).
+    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or (HAS_SEGMENTS and not SEGMENT_SKIP) or HAS_POSITIONS
+                                             or BLOCK_SPARSE or WARP_SPECIALIZE or SPLIT_BAND)))
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
@@ -273,7 +276,8 @@ def flash_fwd_kernel(
                         sm_scale, softcap, dropout_threshold, dropout_scale,
                         segment != 1 or EDGES_IN_LOOP or BAND_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                         HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
-                        HAS_SEGMENTS and not (SEGMENT_SKIP and segment == 1),   # (rules.segment_range)
+                        # (rules.segment_range; EDGES_IN_LOOP: its edge tiles compare ids)
+                        HAS_SEGMENTS and (EDGES_IN_LOOP or not (SEGMENT_SKIP and segment == 1)),
                         HAS_DROPOUT, DOT_PRECISION,
                         BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
 

@@ -142,14 +142,20 @@ EDGES_IN_LOOP_ENV = "DUALATTN_EDGES_IN_LOOP"
 
 
 def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], constexprs,
-                  flag: Optional[str] = None) -> bool:
+                  flag: Optional[str] = None, segment_skip: bool = False) -> bool:
     """Whether the portable kernels run their band's masked edges in the one loop (EDGES_IN_LOOP):
     causal or window bands of at most EDGES_IN_LOOP_MAX_KEYS keys.  Not with per-element masks
-    (segments, a mask, explicit positions), which mask every tile, nor block-sparse lists.
+    (a mask, explicit positions), which mask every tile, nor block-sparse lists.  Segment ids only
+    in a forward that skips the compare inside documents (`segment_skip`: SEGMENT_SKIP), whose edge
+    tiles then compare ids in the branch; documents bound the band by lengths the host does not know,
+    so their launches take it at any length.
     flag: DUALATTN_EDGES_IN_LOOP, "0" / "1" turn it off / on for every band (A/B runs)."""
     const = dict(constexprs)
-    return (flag != "0" and sparse is None and (const["HAS_LEFT"] or const["HAS_RIGHT"])
-            and not any(const[f] for f in ("HAS_MASK", "HAS_SEGMENTS", "HAS_POSITIONS"))
+    if flag == "0" or sparse is not None or const["HAS_MASK"] or const["HAS_POSITIONS"]:
+        return False
+    if const["HAS_SEGMENTS"]:
+        return segment_skip
+    return ((const["HAS_LEFT"] or const["HAS_RIGHT"])
             and (flag == "1" or band_keys(shapes, options, constexprs) <= EDGES_IN_LOOP_MAX_KEYS))
 
 

@@ -315,7 +315,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
                                      ("WARP_SPECIALIZE", warp_specialized),
                                      ("SPLIT_BAND", WS_TILE.block_m if split else 0),
                                      ("EDGES_IN_LOOP", not (warp_specialized or split) and edges_in_loop(
-                                         shapes, options, sparse, constexprs, switch.get(EDGES_IN_LOOP_ENV))),
+                                         shapes, options, sparse, constexprs, switch.get(EDGES_IN_LOOP_ENV), skip)),
                                      ("PERSISTENT", persistent_launch), ("SEGMENT_SKIP", skip)),
             num_warps=t.num_warps, num_stages=t.num_stages, then=then,
             resume=FWD_RESUME if split and not warp_specialized else SEGMENT_RESUME if skip else ())

@@ -197,14 +197,18 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
 
 @triton.jit
 def mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr):
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr,
+                   q_seg=0, KSEG_ROW=0, HAS_SEGMENTS: tl.constexpr = False):
     """Scores s with the position mask applied if `edge` (a runtime flag: the tile lies outside
     band_range's unmasked [full_start, full_end)).  For EDGES_IN_LOOP kernels, whose one loop runs
     the whole band: a branch outside warp-specialised loops costs less than the separate edge
-    loops, each with its own pipeline fill (NOTES: "Short bands run their edges inside the one loop")."""
+    loops, each with its own pipeline fill (NOTES: "Short bands run their edges inside the one loop").
+    HAS_SEGMENTS (the forward, [M, N] tiles, with SEGMENT_SKIP: every tile outside the interior may
+    cross a document boundary): the edge tiles also compare segment ids, the key tile's loaded here."""
     if edge:
+        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
-                       0, 0, 0, 0, 0, 0, True, HAS_LEFT, HAS_RIGHT, False, False, TRANSPOSED, False)
+                       q_seg, 0, k_seg, 0, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, False, TRANSPOSED, False)
         s = tl.where(ok, s, float("-inf"))
     return s
 
