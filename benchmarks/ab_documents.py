@@ -1,0 +1,43 @@
+"""Documents as segment ids, the forward's edge tiles inside the one loop (the default) against loops of
+their own (DUALATTN_EDGES_IN_LOOP=0), fwd and fwd+bwd, 8 documents x 2048 tokens, D = 128 and 64.
+
+    python benchmarks/ab_documents.py
+
+Each setting is timed twice, alternating, in one process (do_bench medians); effective TFLOP/s count the
+allowed (causal, same-document) pairs only, as bench_options.py does.
+"""
+import torch
+import triton
+
+import dualattn.torch_api as dt
+from dualattn import switches
+from dualattn.kernels.flash import plan
+
+
+def main():
+    for head_dim, heads in ((128, 16), (64, 32)):
+        seqlen, docs = 16384, 8
+        q, k, v = (torch.randn(1, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        dout = torch.randn_like(q)
+        seg = (torch.arange(seqlen, device="cuda", dtype=torch.int32) // (seqlen // docs))[None]
+        flops = 4 * docs * (seqlen // docs) ** 2 * 0.5 * head_dim * heads
+
+        def forward():
+            return dt.flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+
+        def forward_backward():
+            torch.autograd.grad(forward(), (q, k, v), dout)
+
+        for flag in (None, "0", None, "0"):
+            switches.set_switches(DUALATTN_EDGES_IN_LOOP=flag)
+            plan.forget_plans()
+            with torch.no_grad():
+                fwd = triton.testing.do_bench(forward, warmup=20, rep=200, return_mode="median")
+            both = triton.testing.do_bench(forward_backward, warmup=10, rep=200, return_mode="median")
+            print(f"D={head_dim} edges in loop {'off' if flag == '0' else 'default'}: fwd {flops / fwd / 1e9:.0f}, "
+                  f"fwd+bwd {3.5 * flops / both / 1e9:.0f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
