@@ -44,7 +44,9 @@ CASES = [
     ("gluon forward + one-pass backward, window and sinks", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(
         causal=True, sliding_window=(700, 0), softmax_aux="head"))),
     ("gluon forward sinks, not causal", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(softmax_aux="head"))),
-    ("portable documents (single-id runs skip the compare)", False, dict(b=1, s=2048, h=2, hkv=2, d=64, opts=dict(
+    ("gluon forward documents (segment ranges narrow the key tiles)", True, dict(b=1, s=2048, h=2, hkv=1, d=128,
+                                                                                 opts=dict(causal=True, segments=500))),
+    ("portable documents (single-id runs skip the compare)", False, dict(b=1, s=2048, h=2, hkv=2, d=80, opts=dict(
         causal=True, segments=500))),
     ("portable narrow q/k tile, fp32 block-sparse", False, dict(b=2, s=100, sk=7, h=4, hkv=2, d=16, dv=168,
                                                                  dtype=torch.float32, sparse=True)),
@@ -125,6 +127,7 @@ def _run_once(case, device) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("all", "specialised", "portable"), default="all")
+    parser.add_argument("--name", default="", help="only the cases whose name contains this")
     parser.add_argument("--device", default="cuda", help="cpu runs the cases through the interpreter (a dry run)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each case this many times and check the reruns bitwise equal (races)")
@@ -146,6 +149,8 @@ def main(argv=None) -> int:
     bad = 0
     for name, specialised, case in CASES:
         if args.only == "specialised" and not specialised or args.only == "portable" and specialised:
+            continue
+        if args.name not in name:
             continue
         del launched[:]
         finite = run_case(name, case, args.device, args.repeat)
