@@ -25,6 +25,13 @@ def test_fixed_seed_slice_has_no_failures():
     assert kinds == {"dense", "varlen", "blocksparse"} and summary["invalid"] > 0, summary["counts"]
 
 
+def test_a_partial_run_names_the_configurations_it_ran():
+    """Workers report configurations as they finish, so a stopped run's summary names its exact indices."""
+    assert run.index_ranges([9, 3, 4, 5, 7, 8]) == [[3, 5], [7, 9]]
+    summary = run.fuzz(4, seed=CI_SEED, device="cpu", start=10, invalid_fraction=1.0, log=None)
+    assert summary["indices"] == [[10, 13]] and summary["invalid"] == 4
+
+
 def _valid_index(kind: str, seed: int = CI_SEED) -> int:
     """The first index of `seed` that draws a small valid configuration of `kind`."""
     for i in range(10_000):

@@ -24,6 +24,7 @@ from .draw import INVALID_FRACTION, draw_config, rng_for
 # with the same error, whatever its configuration.
 STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "ILLEGAL_ADDRESS", "MISALIGNED_ADDRESS",
                       "illegal instruction", "unspecified launch failure", "device-side assert")
+CHECKPOINT_SECONDS = 30
 # Set in a worker process once a configuration hit one of them: the configuration's replay.
 _context_lost_at: Optional[str] = None
 
@@ -137,29 +138,36 @@ def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0
          invalid_fraction: float = INVALID_FRACTION, log: Optional[Callable[[str], None]] = print,
          checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
     """Run configurations start .. start+count-1 of `seed`; returns the summary (JSON-able).
-    `checkpoint` receives the summary so far every 50 configurations (a run stopped early keeps them)."""
+    Workers report configurations as they finish (one slow compile does not hold back the others'
+    results).  `checkpoint` receives the summary so far every 50 configurations and every
+    CHECKPOINT_SECONDS, so a run stopped early keeps what it finished; the summary's `indices` name
+    exactly which configurations those are."""
     log = log or (lambda _: None)
-    t0 = time.time()
+    t0 = last_checkpoint = time.time()
     jobs = [(seed, i, device, invalid_fraction) for i in range(start, start + count)]
     records = []
 
     def note(r):
+        nonlocal last_checkpoint
         records.append(r)
         if r.get("unchecked"):
             log(f"UNCHECKED {r['replay']}: {r['unchecked']}")
         elif not r["ok"]:
             log(f"FAIL {r['replay']} ({r['config']['kind']}): {r['error']}\n  config: {r['config']}\n"
                 f"  replay: python -m dualattn.fuzz --replay {r['replay']} --device {device}")
-        if len(records) % 50 == 0 or len(records) == count:
+        every_50 = len(records) % 50 == 0 or len(records) == count
+        if every_50:
             rate = len(records) / (time.time() - t0)
             log(f"{len(records)}/{count} configurations, {sum(not x['ok'] for x in records)} failures, "
                 f"{rate:.2f} configs/s")
-            if checkpoint is not None and len(records) < count:
-                try:
-                    checkpoint(dict(summary(records, seed=seed, device=device, start=start, wall=time.time() - t0,
-                                            workers=workers, invalid_fraction=invalid_fraction), partial=True))
-                except OSError as e:   # a full disk costs the checkpoint, not the run
-                    log(f"checkpoint not written: {e}")
+        due = every_50 or time.time() - last_checkpoint >= CHECKPOINT_SECONDS
+        if checkpoint is not None and due and len(records) < count:
+            last_checkpoint = time.time()
+            try:
+                checkpoint(dict(summary(records, seed=seed, device=device, start=start, wall=time.time() - t0,
+                                        workers=workers, invalid_fraction=invalid_fraction), partial=True))
+            except OSError as e:   # a full disk costs the checkpoint, not the run
+                log(f"checkpoint not written: {e}")
 
     if workers <= 1:
         for job in jobs:
@@ -167,8 +175,8 @@ def fuzz(count: int, *, seed: int, device: str, workers: int = 1, start: int = 0
     else:
         ctx = multiprocessing.get_context("spawn")   # no framework state forked into the workers
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
-            for r in pool.map(_worker, jobs, chunksize=max(1, min(8, count // (workers * 8) or 1))):
-                note(r)
+            for done in concurrent.futures.as_completed([pool.submit(_worker, job) for job in jobs]):
+                note(done.result())
     wall = time.time() - t0
     return summary(records, seed=seed, device=device, start=start, wall=wall, workers=workers,
                    invalid_fraction=invalid_fraction)
@@ -182,6 +190,17 @@ def _mean_stages(records: list) -> dict:
             totals[stage] += t
             counts[stage] += 1
     return {stage: round(totals[stage] / counts[stage], 3) for stage in sorted(totals)}
+
+
+def index_ranges(indices) -> list:
+    """[[first, last], ...]: the sorted indices as inclusive runs (a partial run's exact coverage)."""
+    runs = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return runs
 
 
 def summary(records: list, *, seed: int, device: str, start: int, wall: float, workers: int,
@@ -209,6 +228,7 @@ def summary(records: list, *, seed: int, device: str, start: int, wall: float, w
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "device_name": device_name(device), "versions": versions(),
         "seed": seed, "start": start, "configurations": len(records), "valid": valid,
+        "indices": index_ranges(r["index"] for r in records),
         # configurations a worker did not run after a crash lost its CUDA context (failures name the crash)
         "unchecked_count": len(unchecked), "unchecked": [r["replay"] for r in unchecked],
         "invalid": len(records) - valid, "invalid_fraction": invalid_fraction,
