@@ -85,6 +85,12 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
             and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
+def _without_segments(constexprs):
+    """The constexprs as if there were no segment ids: the Gluon kernels take them (per-tile ranges
+    narrow the loops, ids compared outside a tile's one-id run) where the Triton ones cannot."""
+    return tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
+
+
 def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
     """What the Gluon kernels need: the warp-specialised kernels' conditions and no soft cap."""
     return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["SOFTCAP"]
@@ -261,7 +267,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the Gluon kernels need (_gluon_specializable: 16-bit inputs, TMA-legal strides, no
-    per-element option or soft cap, no block-sparse list, no packed varlen), head dims of 64 or 128
+    per-element option or soft cap, no block-sparse list, no packed varlen; segment ids qualify: the
+    key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64 or 128
     (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
@@ -275,7 +282,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not _gluon_specializable(shapes, sparse, constexprs):
+    if not _gluon_specializable(shapes, sparse, _without_segments(constexprs)):
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
         return None
@@ -307,8 +314,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
     # compared on the tiles outside its one-id run.
-    plain = tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
-    if not _gluon_specializable(shapes, sparse, plain):
+    if not _gluon_specializable(shapes, sparse, _without_segments(constexprs)):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
 

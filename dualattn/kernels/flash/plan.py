@@ -504,7 +504,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                        diag_shift: int, tile: Tuple[int, ...], num_sms: int,
                        persistent_flag: Optional[str]) -> Tuple[Launch, Launch]:
     """The one-pass kernel (dK, dV and an fp32 dQ accumulator) and the launch casting dQ; persistent
-    where one_pass_persistent."""
+    where one_pass_persistent; with segment ids, after the launch of its key tiles' segment ranges."""
     block_m, block_n, stages, dq_bufs, ds_bufs = tile
     grid = (cdiv(shapes.seqlen_k, block_n), shapes.batch * shapes.heads_kv, 1)
     num_work = grid[0] * grid[1]
@@ -517,7 +517,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
              (("dk", k_shape), ("dv", v_shape), ("dq", q_shape))}
     one_pass = Launch(
         module="flash.backward_gluon", kernel="flash_bwd_one_pass_kernel", grid=grid,
-        inputs=("query", "key", "value", "dout", "lse", "delta"),
+        inputs=("query", "key", "value", "dout", "lse", "delta", "q_segment_ids", "kv_segment_ids", "segment_ranges"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh"))
         + tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -525,14 +525,17 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
         + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
            ("num_heads_kv", shapes.heads_kv), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
-           ("sm_scale", float(options.softmax_scale))),
+           ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
+           ("seg_stride_kb", scalar["seg_stride_kb"])),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
-                    ("WINDOW", options.window_left is not None)),
-        num_warps=ONE_PASS_WARPS, num_stages=1)
+                    ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments)),
+        num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
+    if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
+        one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)
     numel = 1
     for n in q_shape:
         numel *= n
