@@ -118,7 +118,8 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
     descriptor coordinates of its first query row and key row, of its query-head group's first
     column and its KV head's, of its first lse row, and its query tiles (_query_tiles).
     PERSISTENT: descriptors over whole arrays, (batch, head) in the coordinates; else over this
-    item's (batch, head group) alone.  Also [pure_lo, pure_hi): the visited tiles that need no mask.
+    item's (batch, head group) alone.  Of its n_local query tiles from i_start, [plain_lo, plain_hi)
+    need no mask.
     SEGMENTS: the key tile's segment ranges (segments.py, key tiles of BN over query tiles of BM)
     narrow its query tiles to those sharing an id with it, and its unmasked ones to the run whose ids
     all equal its one id; the others compare ids."""
@@ -136,8 +137,8 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
     batch = bh // num_heads_kv
     kv_head = bh % num_heads_kv
     i_start, n_local, n_mask, n_tail = _query_tiles(n0, seqlen_q, diag, window_left, BM, BN, CAUSAL, WINDOW)
-    pure_lo = n_mask
-    pure_hi = n_tail
+    plain_lo = n_mask
+    plain_hi = n_tail
     if SEGMENTS:
         ranges = SEGMENT_RANGES + (batch.to(gl.int64) * n_key_tiles + n0 // BN) * 4
         first = gl.maximum(i_start, gl.load(ranges) // BM)
@@ -146,8 +147,8 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
         pure_first = gl.maximum(i_start + n_mask, gl.load(ranges + 2) // BM)
         pure_end = gl.minimum(i_start + n_tail, gl.load(ranges + 3) // BM)
         n_local = end - first
-        pure_lo = gl.minimum(gl.maximum(pure_first - first, 0), n_local)
-        pure_hi = gl.minimum(gl.maximum(pure_end - first, pure_lo), n_local)
+        plain_lo = gl.minimum(gl.maximum(pure_first - first, 0), n_local)
+        plain_hi = gl.minimum(gl.maximum(pure_end - first, plain_lo), n_local)
         i_start = first
     if PERSISTENT:
         q_row = batch * seqlen_q
@@ -161,7 +162,7 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
         q_col = n0 * 0
         k_col = n0 * 0
         lse_row = n0 * 0
-    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, n_mask, n_tail, pure_lo, pure_hi
+    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, plain_lo, plain_hi
 
 
 @gluon.jit
@@ -172,7 +173,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
                     PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
     r = 0  # ring position: tiles so far, counted alike in every partition
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _, _, _ = _work_item(
+        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _ = _work_item(
             i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
             HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
         mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the previous key tile's K, V are read (fresh: passes)
@@ -204,7 +205,7 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
                   WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _, _, _, _ = _work_item(
+        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _, _ = _work_item(
             i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
             HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
         for g in range(GROUP):
@@ -308,7 +309,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, n_mask, n_tail, pure_lo, pure_hi = _work_item(
+        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, plain_lo, plain_hi = _work_item(
             i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
             HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
         k_ids = 0
@@ -322,53 +323,30 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
         r_first = r
         mbarrier.wait(kv_ready, i & 1)
         for g in range(GROUP):
-            if SEGMENTS:
-                # masked tiles, the key tile's one-id run unmasked, masked tiles (_work_item)
-                for j in range(pure_lo):
+            # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
+            # unmasked ones, masked ones (the window's far edge; segment ids): _work_item's bounds
+            if CAUSAL or SEGMENTS:
+                for j in range(plain_lo):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
                                    qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW,
                                    CAUSAL, SEGMENTS)
                     r += 1
-                for j in range(pure_lo, pure_hi):
-                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
-                                   q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-                                   qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW,
-                                   CAUSAL, SEGMENTS)
-                    r += 1
-                for j in range(pure_hi, n_local):
+            for j in range(plain_lo, plain_hi):
+                dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
+                               do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
+                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids, qseg_row, HEAD_DIM, BM,
+                               BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS)
+                r += 1
+            if WINDOW or SEGMENTS:
+                for j in range(plain_hi, n_local):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
                                    qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW,
                                    CAUSAL, SEGMENTS)
                     r += 1
-            else:
-                if CAUSAL:
-                    for j in range(n_mask):
-                        dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
-                                       q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                       qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
-                                       k_ids, qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS,
-                                       WINDOW, CAUSAL, SEGMENTS)
-                        r += 1
-                for j in range(n_mask, n_tail):
-                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
-                                   q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-                                   qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW,
-                                   CAUSAL, SEGMENTS)
-                    r += 1
-                if WINDOW:
-                    for j in range(n_tail, n_local):
-                        dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
-                                       q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                       qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
-                                       k_ids, qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS,
-                                       WINDOW, CAUSAL, SEGMENTS)
-                        r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
             _partition_barrier()
