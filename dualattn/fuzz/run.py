@@ -120,8 +120,9 @@ def versions() -> dict:
             out[name] = None
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        out["dualattn_commit"] = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                                                text=True, timeout=10).stdout.strip() or None
+        # "-dirty" when the files differ from the commit (a copied working tree, local edits)
+        out["dualattn_commit"] = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=40"],
+                                                capture_output=True, text=True, timeout=10).stdout.strip() or None
     except Exception:   # not a git checkout
         out["dualattn_commit"] = None
     return out

@@ -152,7 +152,7 @@ def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     """Whether the portable kernels run their band's masked edges in the one loop (EDGES_IN_LOOP):
     causal or window bands of at most EDGES_IN_LOOP_MAX_KEYS keys.  Not with per-element masks
     (a mask, explicit positions), which mask every tile, nor block-sparse lists.  Segment ids only
-    in a forward that skips the compare inside documents (`segment_skip`: SEGMENT_SKIP), whose edge
+    in launches that skip the compare inside documents (`segment_skip`: SEGMENT_SKIP), whose edge
     tiles then compare ids in the branch; documents bound the band by lengths the host does not know,
     so their launches take it at any length.
     flag: DUALATTN_EDGES_IN_LOOP, "0" / "1" turn it off / on for every band (A/B runs)."""

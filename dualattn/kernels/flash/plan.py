@@ -445,7 +445,9 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                   and persistent_backward(shapes, ws_tiles, num_sms, env.get(PERSISTENT_ENV)))
     ws_dkdv, ws_dq = (warp_specialized_backward(shapes, sparse, constexprs, persistent) if warp_specialize
                       else (None, None))
-    edges = edges_in_loop(shapes, options, sparse, constexprs, env.get(EDGES_IN_LOOP_ENV))
+    # (segment ids: the portable launches skip the compare inside documents, so their edges may go in the loop)
+    edges = edges_in_loop(shapes, options, sparse, constexprs, env.get(EDGES_IN_LOOP_ENV),
+                          segment_skip(shapes, sparse, False))
 
     def persistent_grid(grid, t: TileConfig, warp_specialized: bool):
         """(grid, num_work, persistent) of a backward kernel: a program per SM where specialised,

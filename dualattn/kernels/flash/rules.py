@@ -198,15 +198,22 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
 @triton.jit
 def mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr,
-                   q_seg=0, KSEG_ROW=0, HAS_SEGMENTS: tl.constexpr = False):
+                   own_seg=0, OTHER_SEG_ROW=0, HAS_SEGMENTS: tl.constexpr = False):
     """Scores s with the position mask applied if `edge` (a runtime flag: the tile lies outside
     band_range's unmasked [full_start, full_end)).  For EDGES_IN_LOOP kernels, whose one loop runs
     the whole band: a branch outside warp-specialised loops costs less than the separate edge
     loops, each with its own pipeline fill (NOTES: "Short bands run their edges inside the one loop").
-    HAS_SEGMENTS (the forward, [M, N] tiles, with SEGMENT_SKIP: every tile outside the interior may
-    cross a document boundary): the edge tiles also compare segment ids, the key tile's loaded here."""
+    HAS_SEGMENTS (with SEGMENT_SKIP: every tile outside the interior may cross a document boundary):
+    the edge tiles also compare segment ids.  `own_seg` are the ids of the program's own tile (queries
+    in the forward and dQ, keys when TRANSPOSED: dK/dV), loaded once; the iterated tile's are loaded
+    here from OTHER_SEG_ROW, on edge tiles only."""
     if edge:
-        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+        if TRANSPOSED:
+            q_seg = load_ids(OTHER_SEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS)
+            k_seg = own_seg
+        else:
+            q_seg = own_seg
+            k_seg = load_ids(OTHER_SEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        q_seg, 0, k_seg, 0, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, False, TRANSPOSED, False)
         s = tl.where(ok, s, float("-inf"))
