@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -169,6 +170,74 @@ def test_one_pass_takes_segment_ids(d, causal, hq, hkv, sq):
                   segment_ranges="int32")
     compiled = compile_check.compile_launch(one_pass, dtypes, arch=90)
     assert "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"] and compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def one_pass_query_tiles(n0, sq, sk, causal, window_left, ranges, bm=64, bn=128):
+    """A transcription of backward_gluon._query_tiles and _work_item's narrowing (diag = Sk - Sq):
+    (the query tiles a key tile at n0 visits, those of them that run unmasked)."""
+    diag, n_tiles = sk - sq, _cdiv(sq, bm)
+    if causal:
+        i_start = max(n0 - diag, 0) // bm
+        i_full = _cdiv(max(n0 + bn - 1 - diag, 0), bm)
+        i_end = i_tail = n_tiles
+        if window_left is not None:
+            last = n0 + bn - 1 - diag + window_left
+            i_end = min(max(last, 0) // bm + 1, n_tiles) if last >= 0 else 0
+            edge = n0 - diag + window_left - bm + 1
+            i_tail = max(edge, 0) // bm + 1 if edge >= 0 else 0
+        n_local = max(i_end - i_start, 0)
+        n_mask = min(max(i_full - i_start, 0), n_local)
+        n_tail = min(max(i_tail - i_start, n_mask), n_local)
+    else:
+        i_start, n_local, n_mask, n_tail = 0, n_tiles, 0, n_tiles
+    plain_lo, plain_hi = n_mask, n_tail
+    if ranges is not None:
+        lo, hi, pure_lo, pure_hi = (int(x) for x in ranges)
+        first = max(i_start, lo // bm)
+        end = max(min(i_start + n_local, _cdiv(hi, bm)), first)
+        pure_first, pure_end = max(i_start + n_mask, pure_lo // bm), min(i_start + n_tail, pure_hi // bm)
+        n_local = end - first
+        plain_lo = min(max(pure_first - first, 0), n_local)
+        plain_hi = min(max(pure_end - first, plain_lo), n_local)
+        i_start = first
+    return set(range(i_start, i_start + n_local)), set(range(i_start + plain_lo, i_start + plain_hi))
+
+
+@pytest.mark.parametrize("causal, window_left", [(False, None), (True, None), (True, 150)])
+def test_one_pass_segment_tiles_cover_every_pair_and_mask_every_boundary(causal, window_left):
+    """The key tiles' segment ranges (segments.py, modelled in test_segment_ranges.py) as the one-pass
+    kernel uses them: every query tile holding a pair the key tile may attend is visited, and every
+    tile it runs unmasked holds only pairs it may attend (same id, causal, window).  Documents on and
+    off the tiles, repeated ids, Sq != Sk, a query id no key holds, random runs."""
+    from test_segment_ranges import DOCS, expected_ranges, runs
+    rng = np.random.default_rng(7)
+    layouts = list(DOCS.values()) + [
+        (runs((0, 300), (1, 340)), runs((0, 300), (1, 340))),
+        (runs((5, 64), (6, 300), (5, 236)), runs((5, 64), (6, 300), (5, 236))),
+        (runs((0, 200), (2, 100), (1, 400)), runs((0, 260), (1, 500)))]
+    for _ in range(12):
+        ids = np.repeat(rng.integers(0, 4, 6), rng.integers(20, 260, 6)).astype(np.int32)
+        layouts.append((ids, ids))
+    bm, bn = flash_plan.ONE_PASS_TILES[128][:2]
+    for q_ids, kv_ids in layouts:
+        sq, sk = len(q_ids), len(kv_ids)
+        rows, cols = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        allowed = q_ids[:, None] == kv_ids[None, :]
+        if causal:
+            allowed &= cols <= rows + (sk - sq)
+            if window_left is not None:
+                allowed &= cols >= rows + (sk - sq) - window_left
+        key_ranges = expected_ranges(kv_ids, q_ids, bn, bm)
+        for t, n0 in enumerate(range(0, sk, bn)):
+            visited, plain = one_pass_query_tiles(n0, sq, sk, causal, window_left, key_ranges[t], bm, bn)
+            for i in range(_cdiv(sq, bm)):
+                block = allowed[i * bm:(i + 1) * bm, n0:n0 + bn]
+                assert not block.any() or i in visited, (q_ids, n0, i)
+                assert i not in plain or block.all(), (q_ids, n0, i)
 
 
 # ---- GPU: numbers against the float64 reference, through the public API ----
