@@ -43,6 +43,8 @@ CASES = [
     ("one-pass persistent d64", True, dict(b=2, s=4096, h=4, hkv=4, d=64, opts=dict())),
     ("gluon forward + one-pass backward, window and sinks", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(
         causal=True, sliding_window=(700, 0), softmax_aux="head"))),
+    ("gluon forward soft cap, causal window", True, dict(b=1, s=2048, h=2, hkv=1, d=128, opts=dict(
+        sliding_window=(300, 0), logits_soft_cap=20.0))),
     ("gluon forward sinks, not causal", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(softmax_aux="head"))),
     ("gluon forward documents (segment ranges narrow the key tiles)", True, dict(b=1, s=2048, h=2, hkv=1, d=128,
                                                                                  opts=dict(causal=True, segments=500))),

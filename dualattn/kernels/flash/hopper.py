@@ -77,7 +77,8 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
     and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
     query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap is only
     arithmetic on the scores, which the Triton kernels share with the portable ones (rules.logits
-    and the backward's derivative); the Gluon kernels do not have it (_gluon_specializable)."""
+    and the backward's derivative); the Gluon forward has it too, the one-pass backward does not
+    (_gluon_specializable)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
@@ -92,7 +93,7 @@ def _without_segments(constexprs):
 
 
 def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """What the Gluon kernels need: the warp-specialised kernels' conditions and no soft cap."""
+    """What the one-pass Gluon backward needs: the warp-specialised kernels' conditions and no soft cap."""
     return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["SOFTCAP"]
 
 
@@ -302,10 +303,11 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
                   flag: Optional[str] = None) -> bool:
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
-    What the Gluon kernels need (_gluon_specializable), head dims of 64 or 128 (equal
+    What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
     for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
     GPT-OSS), sinks of any count (joined after the loop), segment ids (packed documents, not
-    varlen: _warp_specializable); descriptors over whole arrays, so in
+    varlen: _warp_specializable), the soft cap (the Triton kernels' tanh, softcap_mode); descriptors
+    over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
     if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
@@ -314,7 +316,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
     # compared on the tiles outside its one-id run.
-    if not _gluon_specializable(shapes, sparse, _without_segments(constexprs)):
+    if not _warp_specializable(shapes, sparse, _without_segments(constexprs)):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
 

@@ -225,7 +225,7 @@ def _memoised(plan_fn):
 
 
 def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
-                          num_sms: int) -> Launch:
+                          num_sms: int, softcap: int) -> Launch:
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
     causal, a pair of them); with segment ids, after the launch of its tiles' segment ranges."""
     block_m, block_n, stages = GLUON_FWD_TILE
@@ -244,14 +244,14 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
            ("num_heads_q", shapes.heads_q), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
-           ("seg_stride_kb", scalar["seg_stride_kb"])),
+           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"])),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
                     ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
-                    ("SEGMENTS", segments)),
+                    ("SEGMENTS", segments), ("SOFTCAP", softcap)),
         num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
     # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
     return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
@@ -287,7 +287,7 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
                                           softcap_mode(shapes, options, hardware_tanh, env))
     switch = env
     if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
-        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms)
+        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms, dict(constexprs)["SOFTCAP"])
     persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
                   and whole_array_tiles(shapes, scalars, constexprs))
     ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
