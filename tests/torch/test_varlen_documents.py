@@ -14,6 +14,7 @@ from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from dualattn.torch_api import _launch, flash_attn_varlen_func  # noqa: E402
 from dualattn.validation import FlashShapes  # noqa: E402
+from plan_spy import spy_chains  # noqa: E402
 from reference import assert_close_rel, reference_varlen  # noqa: E402
 
 ROUTE = ["varlen_segment_ids_kernel", "segment_ranges_kernel"]
@@ -89,14 +90,7 @@ def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
     """Through the portable kernels (DUALATTN_VARLEN_DOCUMENTS=1): forward, lse (-inf on rows in no
     sequence) and gradients against the float64 varlen reference; the backward is the varlen one."""
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1")
-    chains, real = [], flash_plan.plan_forward
-
-    def spy(*args, **kwargs):
-        planned = real(*args, **kwargs)
-        chains.append([one.kernel for one in planned.chain])
-        return planned
-
-    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    chains = spy_chains(monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     for cu, total in TABLES:
         table = torch.tensor(cu, dtype=torch.int32)
@@ -129,14 +123,7 @@ def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, None)
-    chains, real = [], flash_plan.plan_forward
-
-    def spy(*args, **kwargs):
-        planned = real(*args, **kwargs)
-        chains.append([one.kernel for one in planned.chain])
-        return planned
-
-    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    chains = spy_chains(monkeypatch)
     cu, total = [0, 300, 1300, 1300, 1817, 2048], 2100
     table = torch.tensor(cu, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
