@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan, rules  # noqa: E402
-from plan_spy import spy_kernels  # noqa: E402
+from plan_spy import spy_chains, spy_kernels  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from test_one_pass import WINDOW_CASES, check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
 
@@ -209,14 +209,7 @@ def test_gpu_gluon_forward_documents(monkeypatch, seed, causal, docs):
     q = torch.randn(2, s, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(2, s, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     dout = torch.randn_like(q)
-    chains, real_plan = [], flash_plan.plan_forward
-
-    def spy(*args, **kwargs):
-        planned = real_plan(*args, **kwargs)
-        chains.append([launch.kernel for launch in planned.chain])
-        return planned
-
-    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    chains = spy_chains(monkeypatch)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(*leaves, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
     assert chains == [["segment_ranges_kernel", GLUON_FWD]], chains

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict, Optional, Tuple
 
 from ... import switches
@@ -268,7 +269,8 @@ def environment() -> switches.Switches:
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                  tma: bool = False, warp_specialize: bool = False, num_sms: int = 0, gluon: bool = False,
-                 hardware_tanh: bool = False, env: switches.Switches = switches.Switches()) -> Launch:
+                 hardware_tanh: bool = False, same_tables: bool = False,
+                 env: switches.Switches = switches.Switches()) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -280,8 +282,15 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     a persistent warp-specialised launch (persistent_forward; 0: never persistent).  `gluon`: as
     plan_backward's; problems gluon_forward accepts then get the Gluon forward.  `hardware_tanh`: the
     launch runs on an NVIDIA GPU (fit.py plans every GPU launch): the soft cap may use its tanh
-    (softcap_mode).
+    (softcap_mode).  `same_tables`: a varlen call passed one table for queries and keys, which
+    varlen_as_documents may then run as segment ids.
     """
+    if same_tables:
+        documents = varlen_as_documents(shapes, options, strides, config=config, diag_shift=diag_shift,
+                                        sparse=sparse, tma=tma, warp_specialize=warp_specialize, num_sms=num_sms,
+                                        gluon=gluon, hardware_tanh=hardware_tanh, env=env)
+        if documents is not None:
+            return documents
     config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
                                           softcap_mode(shapes, options, hardware_tanh, env))
@@ -326,6 +335,63 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
     # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
     return launch(config.fwd, _use_tma(tma, shapes, constexprs) and config.fwd.num_stages != 2, False)
+
+
+# "0": varlen never runs as segment ids; "1": wherever it may, also without the Gluon forward (the portable
+# kernels with segment ids: tests on the CPU interpreter, A/B runs).
+VARLEN_DOCUMENTS_ENV = "DUALATTN_VARLEN_DOCUMENTS"
+# What the segment-ranges launch of a varlen call run as documents resumes from the ids launch.
+VARLEN_IDS_RESUME = (("q_segment_ids", "q_segment_ids"), ("kv_segment_ids", "kv_segment_ids"))
+
+
+def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, env: switches.Switches,
+                        sparse: Optional[SparseInfo] = None, **plan_kwargs) -> Optional[Launch]:
+    """A varlen forward whose queries and keys share one table, run as one packed sequence with segment
+    ids: the Gluon forward takes segment ids (narrowing each tile's keys to its document) where it
+    takes no varlen.  The same problem exactly: one table of the same packed length and max_seqlen on
+    both sides makes every sequence's bottom-right causal diagonal its top-left one and bounds it alike
+    (rules.sequence_bounds: a token past max_seqlen in its sequence, or in none, belongs to no
+    document, varlen_segment_ids_kernel); no dropout, whose mask depends on the batch row; no sinks,
+    which would give a row in no sequence their lse where varlen gives -inf (docs/spec.md).  Returns
+    the chain (the ids launch, then the dense plan with segment ids, its out and lse the varlen call's),
+    or None where that plan would not take the Gluon forward (unless DUALATTN_VARLEN_DOCUMENTS=1).
+    The backward stays the varlen one: it takes this out and lse as they are."""
+    flag = env.get(VARLEN_DOCUMENTS_ENV)
+    if (flag == "0" or not shapes.varlen or sparse is not None or options.dropout_prob > 0.0 or shapes.num_sinks
+            or shapes.total_q != shapes.total_k or shapes.seqlen_q != shapes.seqlen_k):
+        return None
+    total = shapes.total_q
+    dense = dataclasses.replace(shapes, batch=1, seqlen_q=total, seqlen_k=total, varlen=False, total_q=0,
+                                total_k=0, has_segments=True)
+    dense_strides = {name: (total * s[0],) + tuple(s) for name, s in strides.items()
+                     if name in ("query", "key", "value", "out")}
+    dense_strides.update(q_segment_ids=(total, 1), kv_segment_ids=(total, 1))
+    main = plan_forward(dense, options, dense_strides, env=env, **plan_kwargs)
+    chain = main.chain
+    if chain[0].kernel != "segment_ranges_kernel" or (chain[-1].kernel != "flash_fwd_gluon_kernel" and flag != "1"):
+        return None
+    # Rebuilt from the end: the ranges launch resumes the ids, the last launch's out and lse are varlen-shaped.
+    tail = None
+    for i, one in reversed(list(enumerate(chain))):
+        outputs = one.outputs
+        if i == len(chain) - 1:
+            outputs = tuple(dataclasses.replace(o, shape=out_shape(shapes)) if o.name == "out" else
+                            dataclasses.replace(o, shape=_lse_shape(shapes)) if o.name == "lse" else o
+                            for o in outputs)
+        tail = dataclasses.replace(one, outputs=outputs, then=tail,
+                                   resume=VARLEN_IDS_RESUME if i == 0 else one.resume)
+    return dataclasses.replace(plan_varlen_segment_ids(total, shapes.batch, shapes.seqlen_q), then=tail)
+
+
+def plan_varlen_segment_ids(total: int, num_seqs: int, max_seqlen: int) -> Launch:
+    """The launch giving each packed token its sequence as a segment id (segments.varlen_segment_ids_kernel)."""
+    block = 1024
+    return Launch(
+        module="flash.segments", kernel="varlen_segment_ids_kernel", grid=(max(1, cdiv(total, block)), 1, 1),
+        inputs=("cu_seqlens_q",), scalars=(("total", total), ("num_seqs", num_seqs), ("max_seqlen", max_seqlen)),
+        outputs=(Output("q_segment_ids", (1, total), "int32"), Output("kv_segment_ids", (1, total), "int32")),
+        constexprs=(("BLOCK", block), ("SEARCH_STEPS", max(1, math.ceil(math.log2(num_seqs + 2))))),
+        num_warps=4, num_stages=1)
 
 
 def _forward_outputs(shapes: FlashShapes) -> Tuple[Output, Output]:
