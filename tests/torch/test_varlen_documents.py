@@ -20,12 +20,14 @@ from reference import assert_close_rel, reference_varlen  # noqa: E402
 ROUTE = ["varlen_segment_ids_kernel", "segment_ranges_kernel"]
 
 
-def model_ids(cu, total, max_seqlen, tail):
-    """Token p of sequence s (cu[s] <= p < cu[s + 1], p - cu[s] < max_seqlen) -> s; any other -> tail."""
-    out = np.full(total, tail, np.int32)
-    for s in range(len(cu) - 1):
-        for p in range(cu[s], min(cu[s + 1], cu[s] + max_seqlen)):
-            out[p] = s
+def model_ids(cu, total, max_seqlen, side):
+    """With t the sequences starting at or before token p: 3t for a token of sequence t - 1 (cu[t - 1] <= p
+    < cu[t], p - cu[t - 1] < max_seqlen), 3t + side (1 query, 2 key) for a token of none."""
+    out = np.empty(total, np.int32)
+    for p in range(total):
+        t = int(np.searchsorted(cu, p, side="right"))
+        inside = 0 < t < len(cu) and p - cu[t - 1] < max_seqlen
+        out[p] = 3 * t if inside else 3 * t + side
     return out
 
 
@@ -39,8 +41,31 @@ def test_ids_kernel_matches_the_sequences():
         max_seqlen = int(rng.integers(1, 45))
         ids = _launch.run(flash_plan.plan_varlen_segment_ids(total, n, max_seqlen),
                           {"cu_seqlens_q": torch.from_numpy(cu)}, device="cpu")
-        np.testing.assert_array_equal(ids["q_segment_ids"][0].numpy(), model_ids(cu, total, max_seqlen, -1))
-        np.testing.assert_array_equal(ids["kv_segment_ids"][0].numpy(), model_ids(cu, total, max_seqlen, -2))
+        q_ids, k_ids = ids["q_segment_ids"][0].numpy(), ids["kv_segment_ids"][0].numpy()
+        np.testing.assert_array_equal(q_ids, model_ids(cu, total, max_seqlen, 1))
+        np.testing.assert_array_equal(k_ids, model_ids(cu, total, max_seqlen, 2))
+        # rising along the pack (tight segment ranges), and a token of no sequence matches nothing
+        assert (np.diff(q_ids) >= 0).all() and (np.diff(k_ids) >= 0).all()
+        assert not np.isin(q_ids[q_ids % 3 != 0], k_ids).any()
+
+
+def test_ids_keep_the_segment_ranges_to_each_tiles_own_documents():
+    """A pack whose last sequence ends inside a tile, tokens past it, and a sequence cut at max_seqlen:
+    each query tile's key tiles are those of its own sequences (the ids rise along the pack), not every
+    earlier document, which a tail id below the others would make them."""
+    from test_segment_ranges import expected_ranges
+    cu = np.array([0, 101, 202, 303, 404, 505, 606], np.int32)
+    total, max_seqlen = 650, 90
+    ids = _launch.run(flash_plan.plan_varlen_segment_ids(total, len(cu) - 1, max_seqlen),
+                      {"cu_seqlens_q": torch.from_numpy(cu)}, device="cpu")
+    q_ids, k_ids = ids["q_segment_ids"][0].numpy(), ids["kv_segment_ids"][0].numpy()
+    block = 32
+    for t, (lo, hi, _, _) in enumerate(expected_ranges(q_ids, k_ids, block, block)):
+        rows = np.arange(t * block, min((t + 1) * block, total))
+        first_doc_start = cu[max(0, int(np.searchsorted(cu, rows[0], side="right")) - 1)]
+        last = int(np.searchsorted(cu, rows[-1], side="right"))
+        last_doc_end = cu[last] if last < len(cu) else total
+        assert first_doc_start // block * block <= lo and hi <= -(-last_doc_end // block) * block, (t, lo, hi)
 
 
 def _shapes(total=4096, max_seqlen=2048, seqs=2, d=128, sinks=0, total_k=None, max_seqlen_k=None):
@@ -116,26 +141,26 @@ def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [128, 64])
-def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d):
-    """On sm_90, by default: packed documents of ragged lengths, an empty one and tokens past the
-    last, against the float64 varlen reference, forward and backward."""
+@pytest.mark.parametrize("d, causal", [(128, True), (64, True), (128, False)])
+def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal):
+    """On sm_90, by default: packed documents of ragged lengths, an empty one, the last ending inside
+    a tile and tokens past it, against the float64 varlen reference, forward and backward."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, None)
     chains = spy_chains(monkeypatch)
-    cu, total = [0, 300, 1300, 1300, 1817, 2048], 2100
+    cu, total = [0, 300, 1300, 1300, 1817, 2011], 2100
     table = torch.tensor(cu, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(total, 8, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(total, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_varlen_func(*leaves, table, table, 1000, 1000, causal=True, return_lse=True)
+    out, lse = flash_attn_varlen_func(*leaves, table, table, 1000, 1000, causal=causal, return_lse=True)
     grads = torch.autograd.grad(out, leaves, dout)
     assert chains[-1] == ROUTE + ["flash_fwd_gluon_kernel"], chains
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, causal=True)
+    ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, causal=causal)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout[:cu[-1]].double())
     assert (out[cu[-1]:] == 0).all() and torch.isneginf(lse[:, cu[-1]:]).all()
     assert_close_rel(out[:cu[-1]], ref_out, 1e-2, "out")

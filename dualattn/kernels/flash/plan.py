@@ -351,7 +351,8 @@ def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, 
     takes no varlen.  The same problem exactly: one table of the same packed length and max_seqlen on
     both sides makes every sequence's bottom-right causal diagonal its top-left one and bounds it alike
     (rules.sequence_bounds: a token past max_seqlen in its sequence, or in none, belongs to no
-    document, varlen_segment_ids_kernel); no dropout, whose mask depends on the batch row; no sinks,
+    document; the ids rise along the pack, so the segment ranges stay tight: varlen_segment_ids_kernel);
+    no dropout, whose mask depends on the batch row; no sinks,
     which would give a row in no sequence their lse where varlen gives -inf (docs/spec.md).  Returns
     the chain (the ids launch, then the dense plan with segment ids, its out and lse the varlen call's),
     or None where that plan would not take the Gluon forward (unless DUALATTN_VARLEN_DOCUMENTS=1).
