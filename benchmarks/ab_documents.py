@@ -1,5 +1,5 @@
 """Documents as segment ids, one kernel choice switched on and off, fwd and fwd+bwd, 8 documents x 2048
-tokens, causal, S = 16384, D = 128 and 64.
+tokens, S = 16384, D = 128 and 64, causal and not.
 
     python benchmarks/ab_documents.py edges      # portable forward: edge tiles in the one loop or not
     python benchmarks/ab_documents.py one-pass   # backward: the one-pass Gluon kernel or the two-pass
@@ -35,22 +35,24 @@ def main():
                    for _ in range(3))
         dout = torch.randn_like(q)
         seg = (torch.arange(seqlen, device="cuda", dtype=torch.int32) // (seqlen // docs))[None]
-        flops = 4 * docs * (seqlen // docs) ** 2 * 0.5 * head_dim * heads
+        for causal in (True, False):
+            flops = 4 * docs * (seqlen // docs) ** 2 * (0.5 if causal else 1.0) * head_dim * heads
 
-        def forward():
-            return dt.flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+            def forward():
+                return dt.flash_attention(q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg)
 
-        def forward_backward():
-            torch.autograd.grad(forward(), (q, k, v), dout)
+            def forward_backward():
+                torch.autograd.grad(forward(), (q, k, v), dout)
 
-        for flag in (None, "0", None, "0"):
-            switches.set_switches(**{SWITCHES[args.switch]: flag})
-            plan.forget_plans()
-            with torch.no_grad():
-                fwd = triton.testing.do_bench(forward, warmup=20, rep=200, return_mode="median")
-            both = triton.testing.do_bench(forward_backward, warmup=10, rep=200, return_mode="median")
-            print(f"D={head_dim} {args.switch} {'off' if flag == '0' else 'default'}: fwd {flops / fwd / 1e9:.0f}, "
-                  f"fwd+bwd {3.5 * flops / both / 1e9:.0f} TFLOP/s", flush=True)
+            for flag in (None, "0", None, "0"):
+                switches.set_switches(**{SWITCHES[args.switch]: flag})
+                plan.forget_plans()
+                with torch.no_grad():
+                    fwd = triton.testing.do_bench(forward, warmup=20, rep=200, return_mode="median")
+                both = triton.testing.do_bench(forward_backward, warmup=10, rep=200, return_mode="median")
+                print(f"D={head_dim} {'causal' if causal else 'full'} {args.switch} "
+                      f"{'off' if flag == '0' else 'default'}: fwd {flops / fwd / 1e9:.0f}, "
+                      f"fwd+bwd {3.5 * flops / both / 1e9:.0f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":
