@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import datetime
+import functools
 import multiprocessing
 import os
 import platform
@@ -112,6 +113,13 @@ def features(c: dict) -> list:
 
 
 def versions() -> dict:
+    """Package versions and the dualattn commit: read once per process (every checkpoint's summary
+    carries them, and `git describe --dirty` reads the working tree)."""
+    return dict(_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
     out = {"python": platform.python_version()}
     for name in ("torch", "jax", "jaxlib", "triton", "numpy"):
         try:
