@@ -99,6 +99,7 @@ def test_plan_runs_one_table_as_segment_ids_on_the_gluon_forward(monkeypatch):
                         ("other max_seqlen_k", dict(shapes=_shapes(max_seqlen_k=1024))),
                         ("other total_k", dict(shapes=_shapes(total_k=4000))),
                         ("head dim 96", dict(shapes=_shapes(d=96))),
+                        ("head dim 64: varlen is as fast", dict(shapes=_shapes(d=64))),
                         ("window with a right side", dict(sliding_window=(64, 64)))):
         assert [one.kernel for one in _plan(**kwargs).chain] == ["flash_fwd_kernel"], why
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "0")
@@ -143,11 +144,12 @@ def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, causal", [(128, True), (64, True), (128, False)])
 def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal):
-    """On sm_90, by default: packed documents of ragged lengths, an empty one, the last ending inside
+    """On sm_90 (by default from D = 128): packed documents of ragged lengths, an empty one, the last ending inside
     a tile and tokens past it, against the float64 varlen reference, forward and backward."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
-    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, None)
+    # D = 64 runs as documents only when asked (plan.varlen_as_documents); the kernels are the same
+    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1" if d < 128 else None)
     chains = spy_chains(monkeypatch)
     cu, total = [0, 300, 1300, 1300, 1817, 2011], 2100
     table = torch.tensor(cu, dtype=torch.int32, device="cuda")

@@ -361,6 +361,11 @@ def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, 
     if (flag == "0" or not shapes.varlen or sparse is not None or options.dropout_prob > 0.0 or shapes.num_sinks
             or shapes.total_q != shapes.total_k or shapes.seqlen_q != shapes.seqlen_k):
         return None
+    # Below D = 128 the varlen forward is as fast as the Gluon one plus the two launches that make the
+    # ids and ranges (H200, 8 x 2048 causal, D = 64: 306 varlen against 280 TFLOP/s; at D = 128 it is
+    # 334 against 383: benchmarks/NOTES.md 'Varlen with one table as documents').
+    if shapes.head_dim < 128 and flag != "1":
+        return None
     total = shapes.total_q
     dense = dataclasses.replace(shapes, batch=1, seqlen_q=total, seqlen_k=total, varlen=False, total_q=0,
                                 total_k=0, has_segments=True)
