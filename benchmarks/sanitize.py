@@ -31,6 +31,10 @@ CASES = [
         sliding_window=(64, 16), dropout_prob=0.2, dropout_seed=7))),
     ("portable d256 sq!=sk", False, dict(b=1, s=130, sk=257, h=2, hkv=1, d=256, opts=dict(causal=True))),
     ("edges in loop (causal, short)", False, dict(b=1, s=1024, h=1, hkv=1, d=64, opts=dict(causal=True))),
+    ("varlen as documents (one table), a table past the end", True, dict(
+        varlen=[0, 100, 5000, 260], total=300, h=2, hkv=1, d=64, one_table=True, opts=dict(causal=True))),
+    ("one-pass backward, documents", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(causal=True,
+                                                                                         segments=500))),
     ("varlen with a table past the end", False, dict(varlen=[0, 100, 5000, 260], total=300, h=2, hkv=1, d=64,
                                                      opts=dict(causal=True))),
     ("block-sparse", False, dict(b=1, s=512, h=2, hkv=2, d=64, sparse=True)),
@@ -43,6 +47,8 @@ CASES = [
     ("one-pass persistent d64", True, dict(b=2, s=4096, h=4, hkv=4, d=64, opts=dict())),
     ("gluon forward + one-pass backward, window and sinks", True, dict(b=1, s=4096, h=2, hkv=1, d=128, opts=dict(
         causal=True, sliding_window=(700, 0), softmax_aux="head"))),
+    ("gluon forward soft cap, causal window", True, dict(b=1, s=2048, h=2, hkv=1, d=128, opts=dict(
+        sliding_window=(300, 0), logits_soft_cap=20.0))),
     ("gluon forward sinks, not causal", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(softmax_aux="head"))),
     ("gluon forward documents (segment ranges narrow the key tiles)", True, dict(b=1, s=2048, h=2, hkv=1, d=128,
                                                                                  opts=dict(causal=True, segments=500))),
@@ -108,7 +114,10 @@ def _run_once(case, device) -> dict:
         t.requires_grad_(True)
     if cu is not None:
         # Traced tables are checked by no host: compile so that the kernels clamp them themselves.
-        fn = torch.compile(lambda q, k, v, cu: dt.flash_attn_varlen_func(q, k, v, cu, cu, 256, 256, **opts),
+        # Two tables (the same values) keep the varlen kernels; one table may run as segment ids
+        # (plan.varlen_as_documents).
+        other = (lambda cu: cu) if case.get("one_table") else (lambda cu: cu + 0)
+        fn = torch.compile(lambda q, k, v, cu: dt.flash_attn_varlen_func(q, k, v, cu, other(cu), 256, 256, **opts),
                            fullgraph=True)
         out = fn(q, k, v, cu)
     elif case.get("sparse"):

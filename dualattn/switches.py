@@ -25,9 +25,12 @@ tests do, in the interpreter).  Each is "0" (off), "1" (on whatever the speed ru
                             (jax_api/ptxas.py)
     DUALATTN_FAST_TANH      "0": 16-bit soft-capped launches on a GPU use the exp2 tanh, not the
                             hardware tanh.approx (plan.softcap_mode)
+    DUALATTN_VARLEN_DOCUMENTS  varlen calls with one table run as segment ids
+                            (plan.varlen_as_documents); "1" also where the Gluon forward would
+                            not take them (the portable kernels: the interpreter)
 
 Read once: a plan depends on them, and the launchers' memo of planned calls keys on `current()`,
-one hashable value, instead of reading ten variables per call.  Tests and benchmarks change them
+one hashable value, instead of reading a dozen variables per call.  Tests and benchmarks change them
 within a process with `override(...)`.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Optional, Tuple
 
 VARIABLES = ("DUALATTN_WS", "DUALATTN_TMA", "DUALATTN_PERSISTENT", "DUALATTN_WS_BAND", "DUALATTN_EDGES_IN_LOOP",
              "DUALATTN_GLUON_FWD", "DUALATTN_ONE_PASS", "DUALATTN_NUM_SMS", "DUALATTN_FLASH_TUNED",
-             "DUALATTN_JAX_PTXAS", "DUALATTN_FAST_TANH")
+             "DUALATTN_JAX_PTXAS", "DUALATTN_FAST_TANH", "DUALATTN_VARLEN_DOCUMENTS")
 
 
 @dataclasses.dataclass(frozen=True)

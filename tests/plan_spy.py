@@ -15,3 +15,18 @@ def spy_kernels(monkeypatch, plan_name="plan_backward") -> list:
 
     monkeypatch.setattr(flash_plan, plan_name, spy)
     return kernels
+
+
+def spy_chains(monkeypatch, plan_name="plan_forward") -> list:
+    """Every launch chain flash_plan.<plan_name> gives from then on, as its kernel names (the forward's
+    chain, or the backward's dK/dV chain)."""
+    chains, real = [], getattr(flash_plan, plan_name)
+
+    def spy(*args, **kwargs):
+        planned = real(*args, **kwargs)
+        head = planned.dkdv if plan_name == "plan_backward" else planned
+        chains.append([launch.kernel for launch in head.chain])
+        return planned
+
+    monkeypatch.setattr(flash_plan, plan_name, spy)
+    return chains

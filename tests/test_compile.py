@@ -269,16 +269,15 @@ def test_hopper_forward_uses_wgmma():
 
 def test_edges_in_loop_rule(monkeypatch):
     """The portable kernels run a causal or window band's masked edges in their one loop up to
-    plan.EDGES_IN_LOOP_MAX_KEYS keys of band; not with a mask or block-sparse lists; with segment ids in
-    the forward only (SEGMENT_SKIP: its edge tiles compare ids), at any length; never in
-    warp-specialised launches."""
+    plan.EDGES_IN_LOOP_MAX_KEYS keys of band; not with a mask or block-sparse lists; with segment ids
+    (SEGMENT_SKIP: the edge tiles compare ids) at any length; never in warp-specialised launches."""
     set_switch(monkeypatch, "DUALATTN_EDGES_IN_LOOP", None)
     for v, expected in ((Variant("causal-2048", causal=True, sq=2048, sk=2048), True),
                         (Variant("causal-4096", causal=True, sq=4096, sk=4096), False),
                         (Variant("no-band", sq=1024, sk=1024), False),
                         (Variant("narrow-window-long", window=(1000, 0), sq=16384, sk=16384), True),
-                        (Variant("segments", segments=True, causal=True), {"fwd": True}),
-                        (Variant("segments-long-no-band", segments=True, sq=8192, sk=8192), {"fwd": True}),
+                        (Variant("segments", segments=True, causal=True), True),
+                        (Variant("segments-long-no-band", segments=True, sq=8192, sk=8192), True),
                         (Variant("mask", mask="full", causal=True), False),
                         (Variant("blocksparse", sq=256, sk=256, causal=True, sparse=(128, 128)), False)):
         for kernel in ("fwd", "dkdv", "dq"):
@@ -288,8 +287,9 @@ def test_edges_in_loop_rule(monkeypatch):
         launch = Variant("ws-causal", causal=True, sq=2048, sk=2048, ws=True).launch(kernel, 90)[0]
         assert launch.constexpr_dict["WARP_SPECIALIZE"] == (kernel != "fwd"), kernel   # fwd: split does not pay
         assert launch.constexpr_dict["EDGES_IN_LOOP"] == (kernel == "fwd"), kernel
-    # The id compare in the edge branch compiles (the other forward variants' compiles: FAST, SLOW).
-    _run_case(Variant("bf16-d64-causal-segments-edges", d=64, causal=True, segments=True), "fwd", 90)
+    # The id compare in the edge branch compiles (the other variants' compiles: FAST, SLOW).
+    for kernel in ("fwd", "dkdv", "dq"):
+        _run_case(Variant("bf16-d64-causal-segments-edges", d=64, causal=True, segments=True), kernel, 90)
     split = Variant("ws-split", causal=True, sq=2048, sk=8192, ws=True).launch("fwd", 90)[0]
     assert split.then is not None and not split.constexpr_dict["EDGES_IN_LOOP"]
     assert not split.then.constexpr_dict["EDGES_IN_LOOP"]

@@ -48,6 +48,7 @@ class _Static:
     arch: int = 0                   # the GPU's compute capability (90, 80); 0: the CPU interpreter
     max_shared: int = 0             # its shared memory per block: portable launches are fitted to it (fit.py)
     deterministic: bool = False     # backward without the one-pass kernel's dQ atomics (plan.plan_backward)
+    same_tables: bool = False       # varlen with one table for queries and keys (plan.varlen_as_documents)
 
 
 # (shapes, options) -> the executor's autotune_fn: set by _autotune.py, which times calls of this
@@ -74,7 +75,7 @@ def _plan(static: _Static, plan_fn, fit_fn, arrays: dict, *args, **kwargs):
 def _forward(static: _Static, arrays: dict):
     out_shape = flash_plan.out_shape(static.shapes)
     launch = _plan(static, flash_plan.plan_forward, fit.forward, arrays,
-                   {**_strides(arrays), "out": row_major_strides(out_shape)})
+                   {**_strides(arrays), "out": row_major_strides(out_shape)}, same_tables=static.same_tables)
     res = _launch.run(launch, arrays)
     return vary_like((res["out"], res["lse"]), arrays["query"], arrays["key"], arrays["value"])
 
@@ -222,14 +223,18 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                  dropout_prob=dropout_prob)
+    same_tables = False
     if shapes.varlen:
         if not any(isinstance(c, jax.core.Tracer) for c in (cu_seqlens_q, cu_seqlens_k)):
             check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(),
                                     shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
         # Traced tables are checked by no host: run them as made non-decreasing and clipped to the packed
-        # tokens (a no-op on checked ones), so sequences never overlap (mask.varlen_tokens).
+        # tokens (a no-op on checked ones), so sequences never overlap (mask.varlen_tokens).  One table
+        # stays one (plan.varlen_as_documents).
+        same_tables = cu_seqlens_q is cu_seqlens_k and shapes.total_q == shapes.total_k
         cu_seqlens_q = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_q), shapes.total_q)
-        cu_seqlens_k = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k), shapes.total_k)
+        cu_seqlens_k = cu_seqlens_q if same_tables else sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k),
+                                                                            shapes.total_k)
     backend = _resolve_backend(backend, query)
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
@@ -249,7 +254,8 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
             arrays.update(_sparse_arrays(sparse))
             info = sparse_info(sparse)
         static = _Static(shapes, options, _triton_config(shapes, options, query), int(diag_shift), info,
-                         **_descriptor_flags(query), deterministic=deterministic)
+                         **_descriptor_flags(query), deterministic=deterministic,
+                         same_tables=same_tables)
         out, lse = _flash_triton(static, arrays)
         if shapes.varlen and return_lse:
             # Rows in no sequence are written by no program; out was zero-filled, lse is masked here

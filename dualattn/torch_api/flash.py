@@ -185,6 +185,17 @@ def _gluon(a: dict, warp_specialize: bool) -> bool:
     return query.is_cuda and flash_plan.gluon_allowed(_gpu(query.device.index)[1], warp_specialize)
 
 
+def _same_tables(a: dict) -> bool:
+    """Whether a varlen call passed one table for queries and keys (the same tensor, or the same memory
+    read alike), which plan.varlen_as_documents may run as segment ids."""
+    cu_q, cu_k = a.get("cu_seqlens_q"), a.get("cu_seqlens_k")
+    if cu_q is None or cu_k is None:
+        return False
+    return cu_q is cu_k or (cu_q.device == cu_k.device and cu_q.data_ptr() == cu_k.data_ptr()
+                            and cu_q.shape == cu_k.shape and cu_q.stride() == cu_k.stride()
+                            and cu_q.dtype == cu_k.dtype)
+
+
 def _num_sms(a: dict) -> int:
     query = a["query"]
     return sm_count(query.device.index if query.is_cuda else None)
@@ -259,7 +270,7 @@ def _call_key(named: dict) -> Optional[tuple]:
     if torch.compiler.is_compiling():
         return None
     return (tuple(map(_tensor_key, map(named.get, _TENSOR_ARGS))), tuple(map(named.get, _KEYED_STATICS)),
-            flash_plan.environment(), executor.default_executor().state("flash"))
+            _same_tables(named), flash_plan.environment(), executor.default_executor().state("flash"))
 
 
 def _new_out(shape, varlen: bool, dtype, device) -> Tensor:
@@ -278,7 +289,7 @@ def _forward(named: dict):
         ws = _warp_specialize(a)
         launch = _plan(flash_plan.plan_forward, fit.forward, a, r.shapes, r.options, _strides({**a, "out": out}),
                        config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
-                       warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws))
+                       warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws), same_tables=_same_tables(a))
         if key is not None:
             if len(_CALL_PLANS) >= _CALL_PLANS_MAX:
                 _CALL_PLANS.clear()
@@ -578,8 +589,10 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         else:
             # Unchecked tables run made non-decreasing and clipped to the packed tokens, so sequences
             # never overlap; the kernels clamp every bound anyway (rules.sequence_bounds).
+            same = cu_seqlens_q is cu_seqlens_k and shapes.total_q == shapes.total_k
             cu_seqlens_q = _sanitized_cu_seqlens(cu_seqlens_q, shapes.total_q)
-            cu_seqlens_k = _sanitized_cu_seqlens(cu_seqlens_k, shapes.total_k)
+            # (one table stays one: plan.varlen_as_documents)
+            cu_seqlens_k = cu_seqlens_q if same else _sanitized_cu_seqlens(cu_seqlens_k, shapes.total_k)
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                  dropout_prob=dropout_prob)

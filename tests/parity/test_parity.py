@@ -179,6 +179,43 @@ def test_jax_triton_traced_seed_vmap_and_varlen(rng):
     np.testing.assert_array_equal(np.asarray(jo), to.numpy())
 
 
+def test_varlen_one_table_as_segment_ids_is_the_same_in_both(rng, monkeypatch):
+    """Varlen with one table run as segment ids (plan.varlen_as_documents; DUALATTN_VARLEN_DOCUMENTS=1
+    takes it through the interpreter): jax with the table traced under jit gives torch's numbers
+    bit for bit, and both match the varlen kernels."""
+    from dualattn.kernels.flash import plan as flash_plan
+    h, d, lens = 2, 16, [17, 40, 0, 5]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(cu[-1]) + 6   # tokens past the last sequence
+    qp, kp, vp = (rng.standard_normal((total, h, d)).astype(np.float32) for _ in range(3))
+
+    def both():
+        jo, jl = jax.jit(lambda q, k, v, c: dj.flash_attention_varlen(
+            q, k, v, c, c, max(lens), max(lens), causal=True, return_lse=True, backend="triton"))(
+            jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(cu))
+        table = torch.tensor(cu)
+        to, tl = dt.flash_attn_varlen_func(torch.tensor(qp), torch.tensor(kp), torch.tensor(vp), table, table,
+                                           max(lens), max(lens), causal=True, return_lse=True)
+        return np.asarray(jo), np.asarray(jl), to.numpy(), tl.numpy()
+
+    chains, real = [], flash_plan.plan_forward
+
+    def spy(*args, **kwargs):
+        planned = real(*args, **kwargs)
+        chains.append(planned.chain[0].kernel)
+        return planned
+
+    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1")
+    jo, jl, to, tl = both()
+    assert chains.count("varlen_segment_ids_kernel") == 2, chains   # jax and torch both ran as documents
+    np.testing.assert_array_equal(jo, to)
+    np.testing.assert_array_equal(jl, tl)
+    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "0")
+    vo, vl, _, _ = both()
+    assert relative_error(jo, vo) < 1e-5 and np.array_equal(np.isneginf(jl), np.isneginf(vl))
+
+
 @pytest.fixture
 def warp_specialize_everything(monkeypatch):
     """DUALATTN_WS=1 with the speed rules off (hopper.WS_MIN_KEY_WORK, split_band_pays): the

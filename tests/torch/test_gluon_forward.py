@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dualattn.kernels import compile_check  # noqa: E402
-from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
-from plan_spy import spy_kernels  # noqa: E402
+from dualattn.kernels.flash import plan as flash_plan, rules  # noqa: E402
+from plan_spy import spy_chains, spy_kernels  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from test_one_pass import WINDOW_CASES, check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
 
@@ -28,11 +28,11 @@ def default_switches(monkeypatch):
         set_switch(monkeypatch, name, None)
 
 
-def _plan(gluon=True, k_strides=None, num_sms=132, **kwargs):
+def _plan(gluon=True, k_strides=None, num_sms=132, hardware_tanh=False, **kwargs):
     shapes, options, strides, config = gluon_problem(strides=None if k_strides is None else {"key": k_strides},
                                                      **kwargs)
     return flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True, gluon=gluon,
-                                   num_sms=num_sms)
+                                   num_sms=num_sms, hardware_tanh=hardware_tanh)
 
 
 def test_plan_takes_the_gluon_forward():
@@ -58,6 +58,12 @@ def test_plan_takes_the_gluon_forward():
     assert window.kernel == GLUON_FWD
     assert (window.constexpr_dict["CAUSAL"], window.constexpr_dict["WINDOW"]) == (True, True)
     assert dict(window.scalars)["window_left"] == 100
+    # the soft cap: the GPU's tanh on a GPU (16-bit inputs), the exp2 form otherwise (plan.softcap_mode)
+    capped = _plan(causal=True, logits_soft_cap=30.0, hardware_tanh=True)
+    assert capped.kernel == GLUON_FWD and capped.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU
+    assert dict(capped.scalars)["softcap"] == 30.0
+    assert _plan(logits_soft_cap=30.0).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_EXP2
+    assert _plan(causal=True).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_NONE
 
 def test_plan_takes_the_gluon_forward_for_documents():
     """Segment ids: the launch of the tiles' segment ranges (128-row query tiles over 128-wide key tiles,
@@ -74,7 +80,7 @@ def test_plan_takes_the_gluon_forward_for_documents():
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
     for kwargs in (dict(gluon=False), dict(bias=True), dict(d=96),
-                   dict(dtype="float32"), dict(logits_soft_cap=5.0), dict(dropout_prob=0.1),
+                   dict(dtype="float32"), dict(dropout_prob=0.1),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
     for window in ((64, None), (64, 64), (None, 64)):   # windows other than causal or causal with a left side
@@ -89,9 +95,12 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
     (64, True, 8, 2, "float16", 1024, {}), (64, False, 4, 4, "bfloat16", 1000, {}),
     (128, True, 4, 2, "bfloat16", 1000, {}), (128, False, 4, 4, "bfloat16", 1024, dict(sinks=True)),
     (64, False, 4, 2, "bfloat16", 1000, dict(sliding_window=(200, 0), sinks=True)),
-    (128, True, 4, 2, "bfloat16", 1024, dict(segments=True)), (64, False, 4, 4, "float16", 1000, dict(segments=True))])
+    (128, True, 4, 2, "bfloat16", 1024, dict(segments=True)), (64, False, 4, 4, "float16", 1000, dict(segments=True)),
+    (128, True, 4, 2, "bfloat16", 1024, dict(logits_soft_cap=30.0, hardware_tanh=True)),
+    (64, False, 4, 4, "bfloat16", 1000, dict(logits_soft_cap=30.0, sinks=True))])
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
-    """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store."""
+    """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store;
+    the soft cap's tanh as the GPU's tanh.approx where the plan asks for it."""
     launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk, **extra).chain[-1]
     assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
     compiled = compile_check.compile_launch(
@@ -101,6 +110,7 @@ def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype,
     assert compiled.metadata.num_warps == 12
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
     assert "cp.async.bulk.tensor.3d.global.shared" in ptx   # O through a rank-3 descriptor (clipped at Sq)
+    assert ("tanh.approx.f32" in ptx) == (launch.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
 
 
@@ -126,6 +136,13 @@ GPU_CASES = {
     **WINDOW_CASES,
     "d128-window-3-programs": dict(b=1, sq=896, sk=896, hq=2, hkv=2, d=128, opts=dict(sliding_window=(100, 0)),
                                    num_sms="3"),
+    # the soft cap (Gemma 2: 50 on the attention logits; a small cap makes the tanh matter)
+    "d128-causal-softcap": dict(b=2, sq=2048, sk=2048, hq=4, hkv=2, d=128, opts=dict(causal=True,
+                                                                                    logits_soft_cap=5.0)),
+    "d64-softcap-sinks-ragged": dict(b=1, sq=1000, sk=1100, hq=4, hkv=4, d=64, opts=dict(logits_soft_cap=50.0),
+                                     sinks=True),
+    "d128-window-softcap": dict(b=1, sq=2048, sk=2048, hq=2, hkv=1, d=128, opts=dict(sliding_window=(300, 0),
+                                                                                    logits_soft_cap=20.0)),
 }
 
 
@@ -192,14 +209,7 @@ def test_gpu_gluon_forward_documents(monkeypatch, seed, causal, docs):
     q = torch.randn(2, s, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(2, s, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     dout = torch.randn_like(q)
-    chains, real_plan = [], flash_plan.plan_forward
-
-    def spy(*args, **kwargs):
-        planned = real_plan(*args, **kwargs)
-        chains.append([launch.kernel for launch in planned.chain])
-        return planned
-
-    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    chains = spy_chains(monkeypatch)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(*leaves, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
     assert chains == [["segment_ranges_kernel", GLUON_FWD]], chains

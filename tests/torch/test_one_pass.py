@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -151,6 +152,94 @@ def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq, window):
     assert f".entry {plan.dq.kernel}(" in convert.asm["ptx"]
 
 
+@pytest.mark.parametrize("d, causal, hq, hkv, sq", [(128, True, 8, 2, 4096), (64, False, 4, 4, 1000)])
+def test_one_pass_takes_segment_ids(d, causal, hq, hkv, sq):
+    """Segment ids: the one-pass kernel after the launch of its key tiles' segment ranges (keys of
+    BLOCK_N own, queries of BLOCK_M iterated), and it compiles for sm_90."""
+    plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sq, segments=True)
+    ranges, one_pass = plan.dkdv.chain
+    assert (ranges.kernel, one_pass.kernel, plan.dq.kernel) == (
+        "segment_ranges_kernel", ONE_PASS, "flash_bwd_dq_convert_kernel")
+    block_m, block_n = flash_plan.ONE_PASS_TILES[d][:2]
+    assert ranges.constexpr_dict == {"BLOCK_OWN": block_n, "BLOCK_OTHER": block_m, "OWN_IS_QUERY": False}
+    assert ranges.grid == (-(-sq // block_n), 2, 1)
+    assert one_pass.constexpr_dict["SEGMENTS"] and one_pass.resume == (("segment_ranges", "segment_ranges"),)
+    assert not _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sq).dkdv.constexpr_dict["SEGMENTS"]
+    dtypes = dict.fromkeys(("query", "key", "value", "dout"), "bfloat16")
+    dtypes.update(lse="float32", delta="float32", q_segment_ids="int32", kv_segment_ids="int32",
+                  segment_ranges="int32")
+    compiled = compile_check.compile_launch(one_pass, dtypes, arch=90)
+    assert "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"] and compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def one_pass_query_tiles(n0, sq, sk, causal, window_left, ranges, bm=64, bn=128):
+    """A transcription of backward_gluon._query_tiles and _work_item's narrowing (diag = Sk - Sq):
+    (the query tiles a key tile at n0 visits, those of them that run unmasked)."""
+    diag, n_tiles = sk - sq, _cdiv(sq, bm)
+    if causal:
+        i_start = max(n0 - diag, 0) // bm
+        i_full = _cdiv(max(n0 + bn - 1 - diag, 0), bm)
+        i_end = i_tail = n_tiles
+        if window_left is not None:
+            last = n0 + bn - 1 - diag + window_left
+            i_end = min(max(last, 0) // bm + 1, n_tiles) if last >= 0 else 0
+            edge = n0 - diag + window_left - bm + 1
+            i_tail = max(edge, 0) // bm + 1 if edge >= 0 else 0
+        n_local = max(i_end - i_start, 0)
+        n_mask = min(max(i_full - i_start, 0), n_local)
+        n_tail = min(max(i_tail - i_start, n_mask), n_local)
+    else:
+        i_start, n_local, n_mask, n_tail = 0, n_tiles, 0, n_tiles
+    plain_lo, plain_hi = n_mask, n_tail
+    if ranges is not None:
+        lo, hi, pure_lo, pure_hi = (int(x) for x in ranges)
+        first = max(i_start, lo // bm)
+        end = max(min(i_start + n_local, _cdiv(hi, bm)), first)
+        pure_first, pure_end = max(i_start + n_mask, pure_lo // bm), min(i_start + n_tail, pure_hi // bm)
+        n_local = end - first
+        plain_lo = min(max(pure_first - first, 0), n_local)
+        plain_hi = min(max(pure_end - first, plain_lo), n_local)
+        i_start = first
+    return set(range(i_start, i_start + n_local)), set(range(i_start + plain_lo, i_start + plain_hi))
+
+
+@pytest.mark.parametrize("causal, window_left", [(False, None), (True, None), (True, 150)])
+def test_one_pass_segment_tiles_cover_every_pair_and_mask_every_boundary(causal, window_left):
+    """The key tiles' segment ranges (segments.py, modelled in test_segment_ranges.py) as the one-pass
+    kernel uses them: every query tile holding a pair the key tile may attend is visited, and every
+    tile it runs unmasked holds only pairs it may attend (same id, causal, window).  Documents on and
+    off the tiles, repeated ids, Sq != Sk, a query id no key holds, random runs."""
+    from test_segment_ranges import DOCS, expected_ranges, runs
+    rng = np.random.default_rng(7)
+    layouts = list(DOCS.values()) + [
+        (runs((0, 300), (1, 340)), runs((0, 300), (1, 340))),
+        (runs((5, 64), (6, 300), (5, 236)), runs((5, 64), (6, 300), (5, 236))),
+        (runs((0, 200), (2, 100), (1, 400)), runs((0, 260), (1, 500)))]
+    for _ in range(12):
+        ids = np.repeat(rng.integers(0, 4, 6), rng.integers(20, 260, 6)).astype(np.int32)
+        layouts.append((ids, ids))
+    bm, bn = flash_plan.ONE_PASS_TILES[128][:2]
+    for q_ids, kv_ids in layouts:
+        sq, sk = len(q_ids), len(kv_ids)
+        rows, cols = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        allowed = q_ids[:, None] == kv_ids[None, :]
+        if causal:
+            allowed &= cols <= rows + (sk - sq)
+            if window_left is not None:
+                allowed &= cols >= rows + (sk - sq) - window_left
+        key_ranges = expected_ranges(kv_ids, q_ids, bn, bm)
+        for t, n0 in enumerate(range(0, sk, bn)):
+            visited, plain = one_pass_query_tiles(n0, sq, sk, causal, window_left, key_ranges[t], bm, bn)
+            for i in range(_cdiv(sq, bm)):
+                block = allowed[i * bm:(i + 1) * bm, n0:n0 + bn]
+                assert not block.any() or i in visited, (q_ids, n0, i)
+                assert i not in plain or block.all(), (q_ids, n0, i)
+
+
 # ---- GPU: numbers against the float64 reference, through the public API ----
 
 def _require_sm90():
@@ -234,6 +323,68 @@ def test_gpu_one_pass_matches_two_pass(monkeypatch, seed):
     for a, b in zip(grads["1"], grads["0"]):
         assert not torch.isnan(a).any()
         assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+
+def _runs(*runs):
+    """Segment ids as (id, length) runs."""
+    return torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in runs])
+
+
+DOCUMENTS = {
+    "tile-aligned": (_runs((0, 512), (1, 1024), (2, 512)), None),
+    "ragged": (_runs((0, 300), (1, 1000), (2, 517), (3, 231)), None),
+    "repeated-id": (_runs((0, 700), (1, 600), (0, 400), (2, 348)), None),
+    "wide-int64": (_runs((2 ** 40, 900), (2 ** 40 + 1, 1148)), None),
+    # cross attention: Sq != Sk, other runs on each side, query id 7 in no key (rows with nothing visible)
+    "cross": (_runs((0, 200), (7, 100), (1, 700)), _runs((0, 500), (1, 600), (2, 200))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, docs, causal, programs", [
+    (128, "tile-aligned", True, None), (128, "tile-aligned", False, None), (128, "ragged", True, None),
+    (128, "ragged", False, None), (128, "repeated-id", True, None), (128, "repeated-id", False, None),
+    (128, "wide-int64", True, "7"), (64, "ragged", True, None), (64, "ragged", False, "7"), (64, "cross", False, None),
+    (128, "cross", True, None)])
+def test_gpu_one_pass_documents(monkeypatch, seed, d, docs, causal, programs):
+    """Segment ids on the one-pass backward: each key tile visits the query tiles sharing an id with
+    it (its segment ranges), compares ids outside its one-id run.  Documents aligned to the tiles or
+    not, an id that comes back (a wider range, compared), int64 ids past 2**32, cross attention with
+    a query id no key has, persistent programs taking several key tiles.  Against float64."""
+    _require_sm90()
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    if programs:
+        set_switch(monkeypatch, "DUALATTN_NUM_SMS", programs)
+        set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "1")
+    q_ids, kv_ids = DOCUMENTS[docs]
+    kv_ids = q_ids if kv_ids is None else kv_ids
+    sq, sk = len(q_ids), len(kv_ids)
+    q_seg, kv_seg = (ids[None].expand(2, len(ids)).contiguous().cuda() for ids in (q_ids, kv_ids))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, sq, 4, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+    chains, real_plan = [], flash_plan.plan_backward
+
+    def spy(*args, **kwargs):
+        planned = real_plan(*args, **kwargs)
+        chains.append([launch.kernel for launch in planned.dkdv.chain])
+        return planned
+
+    monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    opts = dict(causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, **opts)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert chains == [["segment_ranges_kernel", ONE_PASS]], chains
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves, **opts)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    assert_close_rel(out, ref_out, 1e-2, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert not torch.isnan(g).any(), name
+        assert_close_rel(g, r, 1e-2, name)
 
 
 _COMPILE_AFTER_INTERPRETING = """

@@ -85,11 +85,13 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
                    sm_scale, softcap, POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-                   IN_BOUNDS: tl.constexpr, edge, EDGES_IN_LOOP: tl.constexpr):
+                   IN_BOUNDS: tl.constexpr, edge, EDGES_IN_LOOP: tl.constexpr, OTHER_SEG_ROW):
     """Recompute probabilities and the soft-cap derivative 1 - tanh^2 from the raw q.k tile.
 
     The tile is [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (key-major) when TRANSPOSED.
-    EDGES_IN_LOOP: position-masked iff `edge` (rules.mask_band_edge).
+    EDGES_IN_LOOP: position-masked iff `edge` (rules.mask_band_edge), and with segment ids also
+    id-compared there: the own tile's ids are given (k_seg when TRANSPOSED, else q_seg), the
+    iterated tile's read from OTHER_SEG_ROW on edge tiles only.
     """
     bias = 0.0
     if HAS_BIAS:
@@ -100,8 +102,11 @@ def _probabilities(qk, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, BIAS_ROW
         t = s * (LN2 / softcap)  # tanh(z / cap), read back from the capped score
         cap_grad = 1.0 - t * t
     if EDGES_IN_LOOP:
+        own_seg = q_seg
+        if TRANSPOSED:
+            own_seg = k_seg
         s = mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
-                           HAS_LEFT, HAS_RIGHT, TRANSPOSED)
+                           HAS_LEFT, HAS_RIGHT, TRANSPOSED, own_seg, OTHER_SEG_ROW, HAS_SEGMENTS)
     elif POSITIONAL or HAS_SEGMENTS or HAS_MASK:
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
@@ -121,7 +126,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  TRANSPOSED: tl.constexpr, HAS_POSITIONS: tl.constexpr, IN_BOUNDS: tl.constexpr,
-                 edge, EDGES_IN_LOOP: tl.constexpr):
+                 edge, EDGES_IN_LOOP: tl.constexpr, OTHER_SEG_ROW):
     """One tile's probabilities P (as dropout keeps them, for dV), dP and the soft-cap factor.
 
     Query-major [BLOCK_M, BLOCK_N] from x, dx = q, dO and y, dy = k, v (dQ); key-major
@@ -132,7 +137,7 @@ def _score_grads(x, y, dx, dy, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, 
                                  q_seg, k_seg, q_pos, k_pos, BIAS_ROW, MASK_ROW, bias_stride_s, mask_stride_s,
                                  seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap, POSITIONAL,
                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, TRANSPOSED,
-                                 HAS_POSITIONS, IN_BOUNDS, edge, EDGES_IN_LOOP)
+                                 HAS_POSITIONS, IN_BOUNDS, edge, EDGES_IN_LOOP, OTHER_SEG_ROW)
     dp = tl.dot(dx, tl.trans(dy), input_precision=DOT_PRECISION)
     p_dropped = p
     if HAS_DROPOUT:
@@ -173,7 +178,8 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
         in_rows = offs_m < seqlen_q
         lse = load_stats(LSE_HEAD, stats0 + start_m, offs_m, seqlen_q, WARP_SPECIALIZE)
         delta = load_stats(DELTA_HEAD, stats0 + start_m, offs_m, seqlen_q, WARP_SPECIALIZE)
-        q_seg = load_ids(QSEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS)
+        # (EDGES_IN_LOOP: read on edge tiles only, rules.mask_band_edge)
+        q_seg = load_ids(QSEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS and not EDGES_IN_LOOP)
         q_pos = load_ids(QPOS_ROW, offs_m, seqlen_q, 0, HAS_POSITIONS)
         row_hash = dropout_row_hash(dropout_seed, batch_head, offs_m) if HAS_DROPOUT else 0
         p_t, p_dropped, dp_t, cap_grad = _score_grads(  # [BLOCK_N, BLOCK_M] each
@@ -181,7 +187,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
             dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
             HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, True, HAS_POSITIONS, WARP_SPECIALIZE,  # (plan: tiles inside)
-            ((start_m < full_lo) | (start_m >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP)
+            ((start_m < full_lo) | (start_m >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP, QSEG_ROW)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dz_t = p_t * (dp_t - delta[None, :]) * cap_grad  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
@@ -217,8 +223,10 @@ def flash_bwd_dkdv_kernel(
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
     PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
 ):
-    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
-                                             or WARP_SPECIALIZE)))   # (plan.edges_in_loop)
+    # EDGES_IN_LOOP's branch masks positions, and segment ids where the interior is one document
+    # (SEGMENT_SKIP), on dense bands (plan.edges_in_loop).
+    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or (HAS_SEGMENTS and not SEGMENT_SKIP) or HAS_POSITIONS
+                                             or BLOCK_SPARSE or WARP_SPECIALIZE)))
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
@@ -334,7 +342,8 @@ def flash_bwd_dkdv_kernel(
                             dropout_seed, dropout_threshold, dropout_scale,
                             segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                             BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
-                            HAS_SEGMENTS and not (SEGMENT_SKIP and segment == 1), HAS_DROPOUT,   # (rules.segment_range)
+                            # (rules.segment_range; EDGES_IN_LOOP: its edge tiles compare ids)
+                            HAS_SEGMENTS and (EDGES_IN_LOOP or not (SEGMENT_SKIP and segment == 1)), HAS_DROPOUT,
                             DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE,
                             EDGES_IN_LOOP)
             dk = dk * sm_scale
@@ -378,14 +387,15 @@ def _dq_inner(dq, q, do, lse, delta, q_seg, q_pos, row_hash, offs_m, lo, hi, ful
                       BLOCK_D != HEAD_DIM, TMA, k_row0, k_col0)  # [BLOCK_N, BLOCK_D]
         v = load_rows(V_TILES, start_n, offs_n, stride_vs, seqlen_k, offs_dv, HEAD_DIM_V, POSITIONAL,
                       BLOCK_DV != HEAD_DIM_V, TMA, k_row0, v_col0)  # [BLOCK_N, BLOCK_DV]
-        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+        # (EDGES_IN_LOOP: read on edge tiles only, rules.mask_band_edge)
+        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS and not EDGES_IN_LOOP)
         k_pos = load_ids(KPOS_ROW, offs_n, seqlen_k, 0, HAS_POSITIONS)
         p, _, dp, cap_grad = _score_grads(  # [BLOCK_M, BLOCK_N] each
             q, k, do, v, offs_m, offs_n, lse, q_seg, k_seg, q_pos, k_pos, row_hash, BIAS_ROW, MASK_ROW,
             bias_stride_s, mask_stride_s, seqlen_q, seqlen_k, diag, window_left, window_right, sm_scale, softcap,
             dropout_threshold, dropout_scale, POSITIONAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
             HAS_SEGMENTS, HAS_DROPOUT, DOT_PRECISION, False, HAS_POSITIONS, WARP_SPECIALIZE,  # (plan: tiles inside)
-            ((start_n < full_lo) | (start_n >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP)
+            ((start_n < full_lo) | (start_n >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP, KSEG_ROW)
         dz = p * (dp - delta[:, None]) * cap_grad
         dq = tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -416,8 +426,10 @@ def flash_bwd_dq_kernel(
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
     PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
 ):
-    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or HAS_SEGMENTS or HAS_POSITIONS or BLOCK_SPARSE
-                                             or WARP_SPECIALIZE)))   # (plan.edges_in_loop)
+    # EDGES_IN_LOOP's branch masks positions, and segment ids where the interior is one document
+    # (SEGMENT_SKIP), on dense bands (plan.edges_in_loop).
+    tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or (HAS_SEGMENTS and not SEGMENT_SKIP) or HAS_POSITIONS
+                                             or BLOCK_SPARSE or WARP_SPECIALIZE)))
     stride_qb, stride_qs, stride_qh = aligned(stride_qb, stride_qs, stride_qh, STRIDES_ALIGNED)
     stride_kb, stride_ks, stride_kh = aligned(stride_kb, stride_ks, stride_kh, STRIDES_ALIGNED)
     stride_vb, stride_vs, stride_vh = aligned(stride_vb, stride_vs, stride_vh, STRIDES_ALIGNED)
@@ -518,7 +530,8 @@ def flash_bwd_dq_kernel(
                                    dropout_threshold, dropout_scale,
                                    segment != 1 or BAND_IN_LOOP or EDGES_IN_LOOP, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                                    BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_BIAS, HAS_MASK,
-                                   HAS_SEGMENTS and not (SEGMENT_SKIP and segment == 1),   # (rules.segment_range)
+                                   # (rules.segment_range; EDGES_IN_LOOP: its edge tiles compare ids)
+                                   HAS_SEGMENTS and (EDGES_IN_LOOP or not (SEGMENT_SKIP and segment == 1)),
                                    HAS_DROPOUT, DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS,
                                    HAS_POSITIONS, TMA, WARP_SPECIALIZE, EDGES_IN_LOOP)
             dq = dq * sm_scale

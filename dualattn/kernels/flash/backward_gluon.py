@@ -27,7 +27,9 @@ GQA group (whose columns are adjacent: stride_qh == head dim) and their query ti
 sequences read as zeros from TMA (K = 0 and dO = 0 make their contributions vanish), so lengths
 need not be tile multiples.  Causal (bottom-right, diag = Sk - Sq + diag_shift): a key tile visits
 query tiles from the first that can see it; the ones straddling the diagonal are masked in a loop of
-their own.  What qualifies, the tile and the launch: plan.one_pass_backward / plan_backward.
+their own.  Segment ids (packed documents): the key tile's segment ranges (segments.py) narrow its
+query tiles to those sharing an id, and tiles outside its one-id run compare ids in the masked loops.
+What qualifies, the tile and the launch: plan.one_pass_backward / plan_backward.
 
 flash_bwd_dq_convert_kernel then casts the fp32 accumulator to dQ's dtype (a plain Triton kernel).
 Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
@@ -104,9 +106,9 @@ def _item_count(w_first, w_end, w_step, CAUSAL: gl.constexpr, PERSISTENT: gl.con
 
 
 @gluon.jit
-def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM: gl.constexpr,
-               BN: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-               PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES,
+               BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+               PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
     """The i-th key tile this program visits.  Work items w = w_first, w_first + w_step, ... are
     (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a row), except
     causal and persistent: there item w is a pair of key tiles of one head, p and n - 1 - p (the
@@ -116,7 +118,11 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
     descriptor coordinates of its first query row and key row, of its query-head group's first
     column and its KV head's, of its first lse row, and its query tiles (_query_tiles).
     PERSISTENT: descriptors over whole arrays, (batch, head) in the coordinates; else over this
-    item's (batch, head group) alone."""
+    item's (batch, head group) alone.  Of its n_local query tiles from i_start, [plain_lo, plain_hi)
+    need no mask.
+    SEGMENTS: the key tile's segment ranges (segments.py, key tiles of BN over query tiles of BM)
+    narrow its query tiles to those sharing an id with it, and its unmasked ones to the run whose ids
+    all equal its one id; the others compare ids."""
     n_key_tiles = gl.cdiv(seqlen_k, BN)
     if CAUSAL and PERSISTENT:
         w = w_first + (i // 2) * w_step
@@ -131,6 +137,19 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
     batch = bh // num_heads_kv
     kv_head = bh % num_heads_kv
     i_start, n_local, n_mask, n_tail = _query_tiles(n0, seqlen_q, diag, window_left, BM, BN, CAUSAL, WINDOW)
+    plain_lo = n_mask
+    plain_hi = n_tail
+    if SEGMENTS:
+        ranges = SEGMENT_RANGES + (batch.to(gl.int64) * n_key_tiles + n0 // BN) * 4
+        first = gl.maximum(i_start, gl.load(ranges) // BM)
+        end = gl.maximum(gl.minimum(i_start + n_local, gl.cdiv(gl.load(ranges + 1), BM)), first)
+        # the band's unmasked tiles [i_start + n_mask, i_start + n_tail), cut to the pure run
+        pure_first = gl.maximum(i_start + n_mask, gl.load(ranges + 2) // BM)
+        pure_end = gl.minimum(i_start + n_tail, gl.load(ranges + 3) // BM)
+        n_local = end - first
+        plain_lo = gl.minimum(gl.maximum(pure_first - first, 0), n_local)
+        plain_hi = gl.minimum(gl.maximum(pure_end - first, plain_lo), n_local)
+        i_start = first
     if PERSISTENT:
         q_row = batch * seqlen_q
         k_row = batch * seqlen_k + n0
@@ -143,20 +162,20 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
         q_col = n0 * 0
         k_col = n0 * 0
         lse_row = n0 * 0
-    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, n_mask, n_tail
+    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, plain_lo, plain_hi
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
-                    seqlen_q, seqlen_k, num_heads_kv, diag, window_left, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-                    BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                    PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+                    seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                    PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
     r = 0  # ring position: tiles so far, counted alike in every partition
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
         _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _ = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM, BN, GROUP, HEAD_DIM, CAUSAL,
-            PERSISTENT, WINDOW)
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
+            HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
         mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the previous key tile's K, V are read (fresh: passes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
@@ -181,13 +200,14 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
 
 @gluon.jit
 def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                  diag, window_left, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+                  diag, window_left, SEGMENT_RANGES, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                  WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
         _, _, _, q_row, _, q_col, _, _, i_start, n_local, _, _ = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM, BN, GROUP, HEAD_DIM, CAUSAL,
-            PERSISTENT, WINDOW)
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
+            HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
         for g in range(GROUP):
             for j in range(n_local):
                 b = r % DQ_BUFS
@@ -201,11 +221,13 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
 
 @gluon.jit
 def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
-          q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM: gl.constexpr,
-          BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr,
-          MASK: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr):
+          q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
+          QSEG_ROW, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr, DS_BUFS: gl.constexpr,
+          WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr):
     """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal
-    or, WINDOW, the window's far edge."""
+    or, WINDOW, the window's far edge, or, SEGMENTS, lies outside the key tile's one-id run (then
+    the keys' ids k_ids and the queries' ids, from QSEG_ROW, are compared)."""
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
@@ -228,9 +250,18 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
     if MASK:  # S^T[key n, query m]: keep n <= m + diag (masked before any use: lse may be inf there)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
         queries = m0 + diag + gl.arange(0, BM, layout=col_layout)
-        ok = gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0)
-        if WINDOW:
-            ok = ok & (gl.expand_dims(keys, 1) >= gl.expand_dims(queries - window_left, 0))
+        if CAUSAL:
+            ok = gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0)
+            if WINDOW:
+                ok = ok & (gl.expand_dims(keys, 1) >= gl.expand_dims(queries - window_left, 0))
+            if SEGMENTS:
+                rows = m0 + gl.arange(0, BM, layout=col_layout)
+                q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
+                ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
+        else:   # (MASK without CAUSAL: SEGMENTS)
+            rows = m0 + gl.arange(0, BM, layout=col_layout)
+            q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
+            ok = gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0)
         pt = gl.where(ok, pt, 0.0)
     pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
@@ -264,10 +295,11 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
 def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready, kv_empty,
                        q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                       diag, window_left, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr,
-                       NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr,
-                       WINDOW: gl.constexpr):
+                       diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb,
+                       seg_stride_kb, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                       DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
+                       PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
+                       SEGMENTS: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -277,33 +309,43 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, n_mask, n_tail = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, BM, BN, GROUP, HEAD_DIM, CAUSAL,
-            PERSISTENT, WINDOW)
+        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, plain_lo, plain_hi = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
+            HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
+        k_ids = 0
+        qseg_row = QSEG
+        if SEGMENTS:   # the key tile's ids, one per row of S^T (past the keys: -1, the queries' padding -2)
+            keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+            k_ids = gl.load(KSEG + batch.to(gl.int64) * seg_stride_kb + keys, mask=keys < seqlen_k, other=-1)
+            qseg_row = QSEG + batch.to(gl.int64) * seg_stride_qb
         dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
         dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
         r_first = r
         mbarrier.wait(kv_ready, i & 1)
         for g in range(GROUP):
-            if CAUSAL:
-                for j in range(n_mask):
+            # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
+            # unmasked ones, masked ones (the window's far edge; segment ids): _work_item's bounds
+            if CAUSAL or SEGMENTS:
+                for j in range(plain_lo):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM,
-                                   BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW)
+                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
+                                   qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW,
+                                   CAUSAL, SEGMENTS)
                     r += 1
-            for j in range(n_mask, n_tail):
+            for j in range(plain_lo, plain_hi):
                 dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
                                do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
-                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
-                               NUM_WARPS, False, DS_BUFS, WINDOW)
+                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids, qseg_row, HEAD_DIM, BM,
+                               BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS)
                 r += 1
-            if WINDOW:
-                for j in range(n_tail, n_local):
+            if WINDOW or SEGMENTS:
+                for j in range(plain_hi, n_local):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, HEAD_DIM, BM,
-                                   BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW)
+                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
+                                   qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW,
+                                   CAUSAL, SEGMENTS)
                     r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
@@ -323,15 +365,15 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
 
 @gluon.jit(do_not_specialize=ONE_PASS_INTS)
 def flash_bwd_one_pass_kernel(
-    Q, K, V, DO, LSE, DELTA,
+    Q, K, V, DO, LSE, DELTA, QSEG, KSEG, SEGMENT_RANGES,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
-    batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale,
+    batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
     DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
-    PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
+    PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -424,16 +466,16 @@ def flash_bwd_one_pass_kernel(
         (_compute_partition, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready,
                               kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
-                              seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS,
-                              WINDOW)),
+                              seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
+                              SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
-                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, HEAD_DIM, BLOCK_M, BLOCK_N,
-                           STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW)),
+                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM,
+                           BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)),
         (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k,
-                         num_heads_kv, diag, window_left, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, GROUP_SIZE, CAUSAL,
-                         PERSISTENT, WINDOW)),
+                         num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS,
+                         GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)),
     ], [1, 1], [24, 24])
 
 

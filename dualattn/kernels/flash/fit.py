@@ -73,7 +73,9 @@ def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sha
     config = _start(config, plan_kwargs)
     plan_kwargs.setdefault("hardware_tanh", True)   # (every launch planned here runs on the GPU)
     # (a split band's edges launch resumes from the interior's out and lse)
-    dtypes = {**dtypes, "resume_out": dtypes["query"], "resume_lse": "float32", "segment_ranges": "int32"}
+    # (varlen run as documents: plan.varlen_as_documents makes the segment ids, int32)
+    dtypes = {"q_segment_ids": "int32", "kv_segment_ids": "int32", **dtypes, "resume_out": dtypes["query"],
+              "resume_lse": "float32", "segment_ranges": "int32"}
     launch = None
     for tile in smaller_tiles(config.fwd):
         launch = flash_plan.plan_forward(shapes, options, strides, config=dataclasses.replace(config, fwd=tile),

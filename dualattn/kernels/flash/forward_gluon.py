@@ -122,12 +122,27 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW,
+def _capped_tanh(x, SOFTCAP: gl.constexpr):
+    """tanh(x), as rules.capped_tanh (the Triton kernels' soft cap; the same two forms, the same
+    numbers): SOFTCAP 2, the GPU's tanh.approx.f32; 1, the exp2 form, accurate to fp32."""
+    if SOFTCAP == 2:
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 - 2.0 / (gl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW, cap_in,
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
-             SEGMENTS: gl.constexpr):
+             SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
     """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
     Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
-    FMA per element."""
+    FMA per element.  SOFTCAP: S becomes tanh(S * scale / cap) first (cap_in = scale / cap), and the
+    caller's qk_scale is cap * log2 e, so that FMA gives cap * tanh(.) in log2 units (rules.logits'
+    constants, finite for every legal scale and cap)."""
+    if SOFTCAP != 0:
+        s = _capped_tanh(s * cap_in, SOFTCAP)
     # The branch stays in the loop even where it is never taken (non-causal, Sk a multiple of BN):
     # without it ptxas schedules the loop worse, 10-24% slower (NOTES: "The never-taken branch stays").  EVEN_K
     # (no tile
@@ -155,9 +170,10 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
 
 @gluon.jit
 def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-              v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW,
-              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr):
+              v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW, cap_in,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
+              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (ring positions r on):
     (O unnormalised, row max, row sum, its rows)."""
     HM: gl.constexpr = BM // 2
@@ -186,8 +202,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
         mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n_first * BN, rows, seqlen_k, diag, window_left,
-                                       (n_first < n_left_full) | (n_first >= n_full), q_ids, KSEG_ROW, CAUSAL,
-                                       WINDOW, BN, EVEN_K, SEGMENTS)
+                                       (n_first < n_left_full) | (n_first >= n_full), q_ids, KSEG_ROW, cap_in,
+                                       CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS, SOFTCAP)
         for i in range(1, count):
             j = n_first + i
             rn = r + i
@@ -204,8 +220,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
             mbarrier.arrive(k_empty.index(sn), count=1)
             mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
-                                          (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, CAUSAL, WINDOW, BN,
-                                          EVEN_K, SEGMENTS)
+                                          (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
+                                          CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS, SOFTCAP)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + count - 1
@@ -247,10 +263,10 @@ def _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS: gl.constexpr, SINKS_PER_H
 def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                  o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k,
                  num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb, seg_stride_kb,
-                 HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 cap_in, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
-                 SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr):
+                 SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
@@ -270,8 +286,8 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 acc, m_i, l_i, rows = _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs,
                                                 v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_q,
                                                 seqlen_k, diag, window_left, qk_scale, QSEG + b64 * seg_stride_qb,
-                                                KSEG + b64 * seg_stride_kb, HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL,
-                                                WINDOW, EVEN_K, SEGMENTS)
+                                                KSEG + b64 * seg_stride_kb, cap_in, HALF, HEAD_DIM, BM, BN,
+                                                STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -304,10 +320,10 @@ def flash_fwd_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
-    OUT, LSE, DESC_SCRATCH,
+    softcap, OUT, LSE, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
-    NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr,
+    NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
@@ -350,17 +366,22 @@ def flash_fwd_gluon_kernel(
     w_first = gl.program_id(0)
     w_step = gl.num_programs(0)
     qk_scale = sm_scale * 1.4426950408889634
+    # The soft cap's constants, folded into one multiply before the tanh and the exp2 FMA's after it (as
+    # rules.logits): cap * tanh(qk * scale / cap) in log2 units.
+    cap_in = sm_scale / softcap
+    if SOFTCAP != 0:
+        qk_scale = softcap * 1.4426950408889634
     gl.warp_specialize([
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
-                        seg_stride_qb, seg_stride_kb, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS)),
+                        seg_stride_qb, seg_stride_kb, cap_in, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
-                        seg_stride_qb, seg_stride_kb, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS)),
+                        seg_stride_qb, seg_stride_kb, cap_in, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
                      SEGMENT_RANGES, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, SEGMENTS)),

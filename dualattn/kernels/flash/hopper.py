@@ -77,7 +77,8 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
     and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
     query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap is only
     arithmetic on the scores, which the Triton kernels share with the portable ones (rules.logits
-    and the backward's derivative); the Gluon kernels do not have it (_gluon_specializable)."""
+    and the backward's derivative); the Gluon forward has it too, the one-pass backward does not
+    (_gluon_specializable)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
@@ -85,8 +86,14 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
             and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
+def _without_segments(constexprs):
+    """The constexprs as if there were no segment ids: the Gluon kernels take them (per-tile ranges
+    narrow the loops, ids compared outside a tile's one-id run) where the Triton ones cannot."""
+    return tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
+
+
 def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """What the Gluon kernels need: the warp-specialised kernels' conditions and no soft cap."""
+    """What the one-pass Gluon backward needs: the warp-specialised kernels' conditions and no soft cap."""
     return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["SOFTCAP"]
 
 
@@ -146,7 +153,7 @@ def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     """Whether the portable kernels run their band's masked edges in the one loop (EDGES_IN_LOOP):
     causal or window bands of at most EDGES_IN_LOOP_MAX_KEYS keys.  Not with per-element masks
     (a mask, explicit positions), which mask every tile, nor block-sparse lists.  Segment ids only
-    in a forward that skips the compare inside documents (`segment_skip`: SEGMENT_SKIP), whose edge
+    in launches that skip the compare inside documents (`segment_skip`: SEGMENT_SKIP), whose edge
     tiles then compare ids in the branch; documents bound the band by lengths the host does not know,
     so their launches take it at any length.
     flag: DUALATTN_EDGES_IN_LOOP, "0" / "1" turn it off / on for every band (A/B runs)."""
@@ -261,7 +268,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the Gluon kernels need (_gluon_specializable: 16-bit inputs, TMA-legal strides, no
-    per-element option or soft cap, no block-sparse list, no packed varlen), head dims of 64 or 128
+    per-element option or soft cap, no block-sparse list, no packed varlen; segment ids qualify: the
+    key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64 or 128
     (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
@@ -275,7 +283,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not _gluon_specializable(shapes, sparse, constexprs):
+    if not _gluon_specializable(shapes, sparse, _without_segments(constexprs)):
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
         return None
@@ -295,10 +303,11 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
                   flag: Optional[str] = None) -> bool:
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
-    What the Gluon kernels need (_gluon_specializable), head dims of 64 or 128 (equal
+    What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
     for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
     GPT-OSS), sinks of any count (joined after the loop), segment ids (packed documents, not
-    varlen: _warp_specializable); descriptors over whole arrays, so in
+    varlen: _warp_specializable), the soft cap (the Triton kernels' tanh, softcap_mode); descriptors
+    over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
     if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
@@ -307,8 +316,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
     # compared on the tiles outside its one-id run.
-    plain = tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
-    if not _gluon_specializable(shapes, sparse, plain):
+    if not _warp_specializable(shapes, sparse, _without_segments(constexprs)):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict, Optional, Tuple
 
 from ... import switches
@@ -225,7 +226,7 @@ def _memoised(plan_fn):
 
 
 def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
-                          num_sms: int) -> Launch:
+                          num_sms: int, softcap: int) -> Launch:
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
     causal, a pair of them); with segment ids, after the launch of its tiles' segment ranges."""
     block_m, block_n, stages = GLUON_FWD_TILE
@@ -244,14 +245,14 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
            ("num_heads_q", shapes.heads_q), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
-           ("seg_stride_kb", scalar["seg_stride_kb"])),
+           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"])),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
                     ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
-                    ("SEGMENTS", segments)),
+                    ("SEGMENTS", segments), ("SOFTCAP", softcap)),
         num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
     # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
     return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
@@ -268,7 +269,8 @@ def environment() -> switches.Switches:
 def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, Tuple[int, ...]], *,
                  config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                  tma: bool = False, warp_specialize: bool = False, num_sms: int = 0, gluon: bool = False,
-                 hardware_tanh: bool = False, env: switches.Switches = switches.Switches()) -> Launch:
+                 hardware_tanh: bool = False, same_tables: bool = False,
+                 env: switches.Switches = switches.Switches()) -> Launch:
     """The forward launch.  `strides` holds the element strides of the given arrays and of 'out'.
 
     The dropout seed is an input array (int32, shape (1,)), so JAX can pass a traced seed.
@@ -280,14 +282,21 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     a persistent warp-specialised launch (persistent_forward; 0: never persistent).  `gluon`: as
     plan_backward's; problems gluon_forward accepts then get the Gluon forward.  `hardware_tanh`: the
     launch runs on an NVIDIA GPU (fit.py plans every GPU launch): the soft cap may use its tanh
-    (softcap_mode).
+    (softcap_mode).  `same_tables`: a varlen call passed one table for queries and keys, which
+    varlen_as_documents may then run as segment ids.
     """
+    if same_tables:
+        documents = varlen_as_documents(shapes, options, strides, config=config, diag_shift=diag_shift,
+                                        sparse=sparse, tma=tma, warp_specialize=warp_specialize, num_sms=num_sms,
+                                        gluon=gluon, hardware_tanh=hardware_tanh, env=env)
+        if documents is not None:
+            return documents
     config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
                                           softcap_mode(shapes, options, hardware_tanh, env))
     switch = env
     if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
-        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms)
+        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms, dict(constexprs)["SOFTCAP"])
     persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
                   and whole_array_tiles(shapes, scalars, constexprs))
     ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
@@ -326,6 +335,69 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
     # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
     return launch(config.fwd, _use_tma(tma, shapes, constexprs) and config.fwd.num_stages != 2, False)
+
+
+# "0": varlen never runs as segment ids; "1": wherever it may, also without the Gluon forward (the portable
+# kernels with segment ids: tests on the CPU interpreter, A/B runs).
+VARLEN_DOCUMENTS_ENV = "DUALATTN_VARLEN_DOCUMENTS"
+# What the segment-ranges launch of a varlen call run as documents resumes from the ids launch.
+VARLEN_IDS_RESUME = (("q_segment_ids", "q_segment_ids"), ("kv_segment_ids", "kv_segment_ids"))
+
+
+def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, env: switches.Switches,
+                        sparse: Optional[SparseInfo] = None, **plan_kwargs) -> Optional[Launch]:
+    """A varlen forward whose queries and keys share one table, run as one packed sequence with segment
+    ids: the Gluon forward takes segment ids (narrowing each tile's keys to its document) where it
+    takes no varlen.  The same problem exactly: one table of the same packed length and max_seqlen on
+    both sides makes every sequence's bottom-right causal diagonal its top-left one and bounds it alike
+    (rules.sequence_bounds: a token past max_seqlen in its sequence, or in none, belongs to no
+    document; the ids rise along the pack, so the segment ranges stay tight: varlen_segment_ids_kernel);
+    no dropout, whose mask depends on the batch row; no sinks,
+    which would give a row in no sequence their lse where varlen gives -inf (docs/spec.md).  Returns
+    the chain (the ids launch, then the dense plan with segment ids, its out and lse the varlen call's),
+    or None where that plan would not take the Gluon forward (unless DUALATTN_VARLEN_DOCUMENTS=1).
+    The backward stays the varlen one: it takes this out and lse as they are."""
+    flag = env.get(VARLEN_DOCUMENTS_ENV)
+    if (flag == "0" or not shapes.varlen or sparse is not None or options.dropout_prob > 0.0 or shapes.num_sinks
+            or shapes.total_q != shapes.total_k or shapes.seqlen_q != shapes.seqlen_k):
+        return None
+    # Below D = 128 the varlen forward is as fast as the Gluon one plus the two launches that make the
+    # ids and ranges (H200, 8 x 2048 causal, D = 64: 306 varlen against 280 TFLOP/s; at D = 128 it is
+    # 334 against 383: benchmarks/NOTES.md 'Varlen with one table as documents').
+    if shapes.head_dim < 128 and flag != "1":
+        return None
+    total = shapes.total_q
+    dense = dataclasses.replace(shapes, batch=1, seqlen_q=total, seqlen_k=total, varlen=False, total_q=0,
+                                total_k=0, has_segments=True)
+    dense_strides = {name: (total * s[0],) + tuple(s) for name, s in strides.items()
+                     if name in ("query", "key", "value", "out")}
+    dense_strides.update(q_segment_ids=(total, 1), kv_segment_ids=(total, 1))
+    main = plan_forward(dense, options, dense_strides, env=env, **plan_kwargs)
+    chain = main.chain
+    if chain[0].kernel != "segment_ranges_kernel" or (chain[-1].kernel != "flash_fwd_gluon_kernel" and flag != "1"):
+        return None
+    # Rebuilt from the end: the ranges launch resumes the ids, the last launch's out and lse are varlen-shaped.
+    tail = None
+    for i, one in reversed(list(enumerate(chain))):
+        outputs = one.outputs
+        if i == len(chain) - 1:
+            outputs = tuple(dataclasses.replace(o, shape=out_shape(shapes)) if o.name == "out" else
+                            dataclasses.replace(o, shape=_lse_shape(shapes)) if o.name == "lse" else o
+                            for o in outputs)
+        tail = dataclasses.replace(one, outputs=outputs, then=tail,
+                                   resume=VARLEN_IDS_RESUME if i == 0 else one.resume)
+    return dataclasses.replace(plan_varlen_segment_ids(total, shapes.batch, shapes.seqlen_q), then=tail)
+
+
+def plan_varlen_segment_ids(total: int, num_seqs: int, max_seqlen: int) -> Launch:
+    """The launch giving each packed token its sequence as a segment id (segments.varlen_segment_ids_kernel)."""
+    block = 1024
+    return Launch(
+        module="flash.segments", kernel="varlen_segment_ids_kernel", grid=(max(1, cdiv(total, block)), 1, 1),
+        inputs=("cu_seqlens_q",), scalars=(("total", total), ("num_seqs", num_seqs), ("max_seqlen", max_seqlen)),
+        outputs=(Output("q_segment_ids", (1, total), "int32"), Output("kv_segment_ids", (1, total), "int32")),
+        constexprs=(("BLOCK", block), ("SEARCH_STEPS", max(1, math.ceil(math.log2(num_seqs + 2))))),
+        num_warps=4, num_stages=1)
 
 
 def _forward_outputs(shapes: FlashShapes) -> Tuple[Output, Output]:
@@ -445,7 +517,9 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                   and persistent_backward(shapes, ws_tiles, num_sms, env.get(PERSISTENT_ENV)))
     ws_dkdv, ws_dq = (warp_specialized_backward(shapes, sparse, constexprs, persistent) if warp_specialize
                       else (None, None))
-    edges = edges_in_loop(shapes, options, sparse, constexprs, env.get(EDGES_IN_LOOP_ENV))
+    # (segment ids: the portable launches skip the compare inside documents, so their edges may go in the loop)
+    edges = edges_in_loop(shapes, options, sparse, constexprs, env.get(EDGES_IN_LOOP_ENV),
+                          segment_skip(shapes, sparse, False))
 
     def persistent_grid(grid, t: TileConfig, warp_specialized: bool):
         """(grid, num_work, persistent) of a backward kernel: a program per SM where specialised,
@@ -504,7 +578,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                        diag_shift: int, tile: Tuple[int, ...], num_sms: int,
                        persistent_flag: Optional[str]) -> Tuple[Launch, Launch]:
     """The one-pass kernel (dK, dV and an fp32 dQ accumulator) and the launch casting dQ; persistent
-    where one_pass_persistent."""
+    where one_pass_persistent; with segment ids, after the launch of its key tiles' segment ranges."""
     block_m, block_n, stages, dq_bufs, ds_bufs = tile
     grid = (cdiv(shapes.seqlen_k, block_n), shapes.batch * shapes.heads_kv, 1)
     num_work = grid[0] * grid[1]
@@ -517,7 +591,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
              (("dk", k_shape), ("dv", v_shape), ("dq", q_shape))}
     one_pass = Launch(
         module="flash.backward_gluon", kernel="flash_bwd_one_pass_kernel", grid=grid,
-        inputs=("query", "key", "value", "dout", "lse", "delta"),
+        inputs=("query", "key", "value", "dout", "lse", "delta", "q_segment_ids", "kv_segment_ids", "segment_ranges"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh"))
         + tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -525,14 +599,17 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
         + (("batch", shapes.batch), ("seqlen_q", shapes.seqlen_q), ("seqlen_k", shapes.seqlen_k),
            ("num_heads_kv", shapes.heads_kv), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
-           ("sm_scale", float(options.softmax_scale))),
+           ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
+           ("seg_stride_kb", scalar["seg_stride_kb"])),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
-                    ("WINDOW", options.window_left is not None)),
-        num_warps=ONE_PASS_WARPS, num_stages=1)
+                    ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments)),
+        num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
+    if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
+        one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)
     numel = 1
     for n in q_shape:
         numel *= n

@@ -198,15 +198,22 @@ def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_righ
 @triton.jit
 def mask_band_edge(s, edge, offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr,
-                   q_seg=0, KSEG_ROW=0, HAS_SEGMENTS: tl.constexpr = False):
+                   own_seg=0, OTHER_SEG_ROW=0, HAS_SEGMENTS: tl.constexpr = False):
     """Scores s with the position mask applied if `edge` (a runtime flag: the tile lies outside
     band_range's unmasked [full_start, full_end)).  For EDGES_IN_LOOP kernels, whose one loop runs
     the whole band: a branch outside warp-specialised loops costs less than the separate edge
     loops, each with its own pipeline fill (NOTES: "Short bands run their edges inside the one loop").
-    HAS_SEGMENTS (the forward, [M, N] tiles, with SEGMENT_SKIP: every tile outside the interior may
-    cross a document boundary): the edge tiles also compare segment ids, the key tile's loaded here."""
+    HAS_SEGMENTS (with SEGMENT_SKIP: every tile outside the interior may cross a document boundary):
+    the edge tiles also compare segment ids.  `own_seg` are the ids of the program's own tile (queries
+    in the forward and dQ, keys when TRANSPOSED: dK/dV), loaded once; the iterated tile's are loaded
+    here from OTHER_SEG_ROW, on edge tiles only."""
     if edge:
-        k_seg = load_ids(KSEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
+        if TRANSPOSED:
+            q_seg = load_ids(OTHER_SEG_ROW, offs_m, seqlen_q, -2, HAS_SEGMENTS)
+            k_seg = own_seg
+        else:
+            q_seg = own_seg
+            k_seg = load_ids(OTHER_SEG_ROW, offs_n, seqlen_k, -1, HAS_SEGMENTS)
         ok = tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
                        q_seg, 0, k_seg, 0, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SEGMENTS, False, TRANSPOSED, False)
         s = tl.where(ok, s, float("-inf"))
@@ -416,7 +423,8 @@ DROPOUT_MASK_INTS = ["seqlen_q", "seqlen_k", "num_heads", "dropout_seed", "dropo
 ONE_PASS_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                  "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h", "stride_dkb",
                  "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh", "stride_dqb", "stride_dqs",
-                 "stride_dqh", "batch", "seqlen_q", "seqlen_k", "num_heads_kv", "diag", "window_left", "num_work"]
+                 "stride_dqh", "batch", "seqlen_q", "seqlen_k", "num_heads_kv", "diag", "window_left", "num_work",
+                 "seg_stride_qb", "seg_stride_kb"]
 GLUON_FWD_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                   "stride_vs", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h",
                   "batch", "seqlen_q", "seqlen_k", "num_heads_q", "diag", "window_left", "num_work",

@@ -71,3 +71,34 @@ def segment_ranges_kernel(QSEG, KSEG, seg_stride_qb, seg_stride_kb, seqlen_q, se
     tl.store(out + 1, hi)
     tl.store(out + 2, pure_lo)
     tl.store(out + 3, pure_hi)
+
+
+@triton.jit(do_not_specialize=["total", "num_seqs", "max_seqlen"])
+def varlen_segment_ids_kernel(CU_SEQLENS, total, num_seqs, max_seqlen, Q_IDS, K_IDS, BLOCK: tl.constexpr,
+                              SEARCH_STEPS: tl.constexpr):
+    """Varlen tables as segment ids (plan.varlen_as_documents).  With t the number of sequences that start
+    at or before packed token p: a token of sequence s = t - 1 (cu[s] <= p < cu[s + 1], and p - cu[s] <
+    max_seqlen: the kernels' sequence_bounds) gets id 3t on both sides; a token of no sequence gets
+    3t + 1 as a query and 3t + 2 as a key, ids no other token has, so it attends nothing and nothing
+    attends it (output 0, lse -inf, as the varlen kernels leave such rows).  The ids rise along the
+    pack, so every tile's [min, max] id range stays within its own documents and the segment ranges
+    stay tight (an id below the others, a tile of tail tokens holding -1, would widen its tile's range
+    to every earlier document).  All ids are >= 0: the kernels' padding ids (-1, -2) never match one.
+    The table is read clipped to [0, total] (front ends make traced tables non-decreasing first); t is
+    found by a binary search over [0, num_seqs + 1] (SEARCH_STEPS >= log2(num_seqs + 2))."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.full([BLOCK], 0, tl.int32)        # t = 0: before the first sequence
+    hi = tl.full([BLOCK], 0, tl.int32) + num_seqs + 1
+    for _ in tl.static_range(SEARCH_STEPS):   # the largest t with t == 0 or cu[t - 1] <= p
+        active = lo < hi
+        mid = (lo + hi + 1) // 2              # in (lo, hi] while active
+        start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + mid - 1, mask=active, other=0), 0), total)
+        below = active & (start <= offs)
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(active & ~below, mid - 1, hi)
+    seq = lo - 1
+    first = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + tl.maximum(seq, 0)), 0), total)
+    inside = (seq >= 0) & (seq < num_seqs) & (offs - first < max_seqlen)
+    keep = offs < total
+    tl.store(Q_IDS + offs, tl.where(inside, 3 * lo, 3 * lo + 1), mask=keep)
+    tl.store(K_IDS + offs, tl.where(inside, 3 * lo, 3 * lo + 2), mask=keep)
