@@ -49,6 +49,8 @@ CASES = [
         causal=True, sliding_window=(700, 0), softmax_aux="head"))),
     ("gluon forward soft cap, causal window", True, dict(b=1, s=2048, h=2, hkv=1, d=128, opts=dict(
         sliding_window=(300, 0), logits_soft_cap=20.0))),
+    ("one-pass backward soft cap, GQA", True, dict(b=1, s=4096, h=4, hkv=2, d=128, opts=dict(
+        causal=True, logits_soft_cap=30.0))),
     ("gluon forward sinks, not causal", True, dict(b=1, s=2048, h=2, hkv=2, d=128, opts=dict(softmax_aux="head"))),
     ("gluon forward documents (segment ranges narrow the key tiles)", True, dict(b=1, s=2048, h=2, hkv=1, d=128,
                                                                                  opts=dict(causal=True, segments=500))),

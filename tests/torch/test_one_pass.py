@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
+from dualattn.kernels.flash import rules  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
@@ -82,13 +83,29 @@ def test_plan_takes_the_one_pass_backward_where_it_applies():
     ("window with a right side", dict(sliding_window=(256, 256))),
     ("left window, not causal", dict(sliding_window=(256, None))),
     ("bias", dict(bias=True)),
-    ("soft cap", dict(logits_soft_cap=20.0)),
     ("lse rows not 16-byte aligned", dict(sq=1022, sk=1022)),
     ("GQA with query heads not side by side", dict(hq=8, hkv=2, q_strides=row_major_strides((2, 8, 1024, 128))[:1]
                                                    + (128, 1024 * 128, 1))),
 ])
 def test_plan_keeps_the_two_pass_backward(why, kwargs):
     assert _plan(**kwargs).dkdv.kernel == "flash_bwd_dkdv_kernel", why
+
+
+def test_one_pass_takes_the_soft_cap():
+    """The soft cap on the one-pass kernel: the cap as a scalar, the tanh's form as SOFTCAP (the GPU's
+    tanh.approx for 16-bit inputs on a GPU, as in the forward: plan.softcap_mode), and the variant
+    compiles for sm_90 with the MUFU tanh in its PTX."""
+    shapes, options, strides, config = gluon_problem(causal=True, hq=8, hkv=2, logits_soft_cap=30.0)
+    plan = flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                    num_sms=132, hardware_tanh=True)
+    assert plan.dkdv.kernel == ONE_PASS and plan.dkdv.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU
+    assert dict(plan.dkdv.scalars)["softcap"] == 30.0
+    assert _plan(logits_soft_cap=30.0).dkdv.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_EXP2
+    assert _plan().dkdv.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_NONE
+    dtypes = dict.fromkeys(("query", "key", "value", "dout"), "bfloat16")
+    dtypes.update(lse="float32", delta="float32")
+    compiled = compile_check.compile_launch(plan.dkdv, dtypes, arch=90)
+    assert "tanh.approx.f32" in compiled.asm["ptx"] and "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]
 
 
 def test_one_pass_off_with_env(monkeypatch):
@@ -278,6 +295,13 @@ GPU_CASES = {
     "d64-7-programs": dict(b=3, sq=512, sk=1024, hq=2, hkv=2, d=64, opts={}, num_sms="7"),
     "d128-fp16-scale": dict(b=1, sq=768, sk=2048, hq=2, hkv=2, d=128, opts=dict(softmax_scale=0.05),
                             dtype=torch.float16),
+    # the soft cap (the GPU's tanh.approx): causal with GQA, ragged, with a window and sinks, a cap small
+    # enough to saturate many scores
+    "d128-causal-softcap-gqa": dict(b=2, sq=2048, sk=2048, hq=8, hkv=2, d=128,
+                                    opts=dict(causal=True, logits_soft_cap=30.0)),
+    "d64-softcap-ragged": dict(b=2, sq=1000, sk=1100, hq=4, hkv=2, d=64, opts=dict(logits_soft_cap=5.0)),
+    "d128-window-softcap-sinks": dict(b=1, sq=2048, sk=2048, hq=4, hkv=2, d=128, sinks=True,
+                                      opts=dict(sliding_window=(300, 0), logits_soft_cap=20.0)),
     **WINDOW_CASES,
 }
 

@@ -15,6 +15,9 @@ in Gluon"):
         S^T  = K Q_i^T,  dP^T = V dO_i^T        (async wgmma, dP^T overlaps exp2 of P^T)
         P^T  = exp2(S^T * scale*log2e - lse_i*log2e)          (diagonal tiles masked)
         dS^T = P^T (dP^T - delta_i)
+    (SOFTCAP: P^T = exp2(T * cap*log2e - lse_i*log2e) with T = tanh(S^T * scale / cap), and dS^T takes
+    the cap's derivative 1 - T^2, folded into P^T once P^T has gone to the dV GEMM, so no extra tile
+    stays live across the dP^T wait)
         dV  += P^T dO_i,  dQ_i = dS K,  dK += dS^T Q_i       (dK retires with the next tile's S)
     dK (times the scale) and dV are stored once at the end.  dQ_i needs both warpgroups' halves of
     dS^T, so they meet (a partition barrier) once dS^T is in shared memory.  DS_BUFS = 1: they meet
@@ -65,6 +68,18 @@ def _mma_layout(M, N, num_warps):
     wm = min(num_warps, max(M // 16, 1))
     wn = num_warps // wm
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, N // wn, 16])
+
+
+@gluon.jit
+def capped_tanh(x, SOFTCAP: gl.constexpr):
+    """tanh(x), as rules.capped_tanh (the Triton kernels' soft cap; the same two forms, the same
+    numbers): SOFTCAP 2, the GPU's tanh.approx.f32; 1, the exp2 form, accurate to fp32.  The Gluon
+    forward caps its scores with it too."""
+    if SOFTCAP == 2:
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 - 2.0 / (gl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @gluon.jit
@@ -222,12 +237,13 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
 @gluon.jit
 def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
           q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-          QSEG_ROW, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          QSEG_ROW, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr, DS_BUFS: gl.constexpr,
-          WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr):
+          WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
     """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal
     or, WINDOW, the window's far edge, or, SEGMENTS, lies outside the key tile's one-id run (then
-    the keys' ids k_ids and the queries' ids, from QSEG_ROW, are compared)."""
+    the keys' ids k_ids and the queries' ids, from QSEG_ROW, are compared).  SOFTCAP: the scores are
+    capped (cap_in = scale / cap; qk_scale is then cap * log2 e), as in the Gluon forward."""
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
@@ -246,7 +262,11 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
     lse = lse_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout) * 1.4426950408889634
     # The previous tile's dK GEMM is still in flight here; this wait retires it too (in order).
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+    if SOFTCAP != 0:
+        tt = capped_tanh(st * cap_in, SOFTCAP)
+        pt = gl.exp2(tt * qk_scale - gl.expand_dims(lse, 0))
+    else:
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
     if MASK:  # S^T[key n, query m]: keep n <= m + diag (masked before any use: lse may be inf there)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
         queries = m0 + diag + gl.arange(0, BM, layout=col_layout)
@@ -265,6 +285,8 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
         pt = gl.where(ok, pt, 0.0)
     pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
+    if SOFTCAP != 0:   # dS = P (dP - delta) (1 - T^2): T's registers are free once this is folded in
+        pt = pt * (1.0 - tt * tt)
     delta = delta_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
@@ -296,10 +318,10 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
                        diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb,
-                       seg_stride_kb, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                       DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
-                       PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
-                       SEGMENTS: gl.constexpr):
+                       seg_stride_kb, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
+                       SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -330,22 +352,22 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-                                   qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW,
-                                   CAUSAL, SEGMENTS)
+                                   qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS,
+                                   WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
                     r += 1
             for j in range(plain_lo, plain_hi):
                 dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
                                do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
-                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids, qseg_row, HEAD_DIM, BM,
-                               BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS)
+                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids, qseg_row, cap_in, HEAD_DIM,
+                               BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
                 r += 1
             if WINDOW or SEGMENTS:
                 for j in range(plain_hi, n_local):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-                                   qseg_row, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW,
-                                   CAUSAL, SEGMENTS)
+                                   qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS,
+                                   WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
                     r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
@@ -370,10 +392,11 @@ def flash_bwd_one_pass_kernel(
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
     batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
-    DK, DV, DQ_ACCUM, DESC_SCRATCH,
+    softcap, DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
     PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -462,13 +485,18 @@ def flash_bwd_one_pass_kernel(
     fence_async_shared()
 
     qk_scale = sm_scale * 1.4426950408889634
+    # The soft cap's constants, as the Gluon forward's: cap * tanh(qk * scale / cap) in log2 units.
+    cap_in = sm_scale / softcap
+    if SOFTCAP != 0:
+        qk_scale = softcap * 1.4426950408889634
     gl.warp_specialize([
         (_compute_partition, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready,
                               kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
                               seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
-                              SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS)),
+                              SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, cap_in, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS,
+                              SOFTCAP)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
                            w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM,

@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .backward_gluon import _mma_layout, _partition_barrier
+from .backward_gluon import _mma_layout, _partition_barrier, capped_tanh
 from .rules import GLUON_FWD_INTS
 
 
@@ -122,17 +122,6 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
-def _capped_tanh(x, SOFTCAP: gl.constexpr):
-    """tanh(x), as rules.capped_tanh (the Triton kernels' soft cap; the same two forms, the same
-    numbers): SOFTCAP 2, the GPU's tanh.approx.f32; 1, the exp2 form, accurate to fp32."""
-    if SOFTCAP == 2:
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return 1.0 - 2.0 / (gl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
-
-
-@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW, cap_in,
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
@@ -142,7 +131,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
     caller's qk_scale is cap * log2 e, so that FMA gives cap * tanh(.) in log2 units (rules.logits'
     constants, finite for every legal scale and cap)."""
     if SOFTCAP != 0:
-        s = _capped_tanh(s * cap_in, SOFTCAP)
+        s = capped_tanh(s * cap_in, SOFTCAP)
     # The branch stays in the loop even where it is never taken (non-causal, Sk a multiple of BN):
     # without it ptxas schedules the loop worse, 10-24% slower (NOTES: "The never-taken branch stays").  EVEN_K
     # (no tile

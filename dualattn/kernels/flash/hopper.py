@@ -77,8 +77,7 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
     and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
     query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap is only
     arithmetic on the scores, which the Triton kernels share with the portable ones (rules.logits
-    and the backward's derivative); the Gluon forward has it too, the one-pass backward does not
-    (_gluon_specializable)."""
+    and the backward's derivative); the Gluon kernels have it too (backward_gluon.capped_tanh)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
@@ -90,11 +89,6 @@ def _without_segments(constexprs):
     """The constexprs as if there were no segment ids: the Gluon kernels take them (per-tile ranges
     narrow the loops, ids compared outside a tile's one-id run) where the Triton ones cannot."""
     return tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
-
-
-def _gluon_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
-    """What the one-pass Gluon backward needs: the warp-specialised kernels' conditions and no soft cap."""
-    return _warp_specializable(shapes, sparse, constexprs) and not dict(constexprs)["SOFTCAP"]
 
 
 def split_band(shapes: FlashShapes, constexprs) -> bool:
@@ -267,8 +261,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
                       constexprs, flag: Optional[str] = None) -> Optional[Tuple[int, int, int, int, int]]:
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
-    What the Gluon kernels need (_gluon_specializable: 16-bit inputs, TMA-legal strides, no
-    per-element option or soft cap, no block-sparse list, no packed varlen; segment ids qualify: the
+    What the Gluon kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
+    per-element option, no block-sparse list, no packed varlen; the soft cap qualifies, and segment ids: the
     key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64 or 128
     (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
@@ -283,7 +277,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not _gluon_specializable(shapes, sparse, _without_segments(constexprs)):
+    if not _warp_specializable(shapes, sparse, _without_segments(constexprs)):
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
         return None

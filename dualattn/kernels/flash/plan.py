@@ -504,7 +504,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                                  env.get(ONE_PASS_ENV)) if gluon and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
-                                      one_pass, num_sms, env.get(PERSISTENT_ENV))
+                                      one_pass, num_sms, env.get(PERSISTENT_ENV), const["SOFTCAP"])
         return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
     dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
     dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
@@ -576,9 +576,10 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
 
 def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict, strides, q_shape, k_shape, v_shape,
                        diag_shift: int, tile: Tuple[int, ...], num_sms: int,
-                       persistent_flag: Optional[str]) -> Tuple[Launch, Launch]:
+                       persistent_flag: Optional[str], softcap: int) -> Tuple[Launch, Launch]:
     """The one-pass kernel (dK, dV and an fp32 dQ accumulator) and the launch casting dQ; persistent
-    where one_pass_persistent; with segment ids, after the launch of its key tiles' segment ranges."""
+    where one_pass_persistent; with segment ids, after the launch of its key tiles' segment ranges.
+    softcap: the SOFTCAP constexpr (softcap_mode)."""
     block_m, block_n, stages, dq_bufs, ds_bufs = tile
     grid = (cdiv(shapes.seqlen_k, block_n), shapes.batch * shapes.heads_kv, 1)
     num_work = grid[0] * grid[1]
@@ -600,13 +601,14 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
            ("num_heads_kv", shapes.heads_kv), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
-           ("seg_stride_kb", scalar["seg_stride_kb"])),
+           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"])),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
-                    ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments)),
+                    ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments),
+                    ("SOFTCAP", softcap)),
         num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
     if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
         one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)
