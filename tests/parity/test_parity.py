@@ -267,13 +267,14 @@ def _gpu_inputs(seed, b, s, h, d):
     return [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
 
 
-def _gpu_both(tensors, causal):
+def _gpu_both(tensors, causal, **options):
     """(torch's, jax's) out, dq, dk, dv on the same device buffers (jax reads them through DLPack)."""
     tq, tk, tv, tdo = tensors
     leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
-    to = dt.flash_attention(*leaves, causal=causal)
+    to = dt.flash_attention(*leaves, causal=causal, **options)
     tg = torch.autograd.grad(to, leaves, tdo)
-    jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton")),
+    jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton",
+                                                                   **options)),
                       *(jax.dlpack.from_dlpack(t) for t in (tq, tk, tv)))
     jg = vjp(jax.dlpack.from_dlpack(tdo))
     return [t.detach() for t in (to, *tg)], [torch.from_dlpack(a) for a in (jo, *jg)]
@@ -341,3 +342,26 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
     # torch's and JAX's backward plans (JAX may plan twice: trace and lowering) chose alike
     assert len(backward_kernels) >= 2 and all((k == "flash_bwd_one_pass_kernel") == one_pass for k in backward_kernels)
     assert len(forward_kernels) >= 2 and all((k == "flash_fwd_gluon_kernel") == one_pass for k in forward_kernels)
+
+
+@pytest.mark.gpu
+def test_gpu_soft_cap_on_the_gluon_kernels_is_the_same_in_both(monkeypatch):
+    """The soft cap on the Gluon forward and the one-pass backward (the GPU's tanh.approx): the same
+    out, dK and dV bits in both frameworks, dQ within the one-pass kernel's reduction order."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    for name, value in BACKWARDS["one-pass"].items():
+        set_switch(monkeypatch, name, value)
+    from plan_spy import spy_kernels
+    backward_kernels = spy_kernels(monkeypatch)
+    forward_kernels = spy_kernels(monkeypatch, "plan_forward")
+    t, j = _gpu_both(_gpu_inputs(1, 1, 4096, 8, 128), True, logits_soft_cap=30.0)
+    for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):
+        same = a.view(torch.int16) == ref.view(torch.int16)
+        if name == "dq":
+            step = ref.float().abs() * 2.0 ** -7 + 1e-6
+            assert bool(((a.float() - ref.float()).abs() <= step).all()) and int((~same).sum()) < same.numel() // 1000
+            continue
+        assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
+    assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels
+    assert forward_kernels and set(forward_kernels) == {"flash_fwd_gluon_kernel"}, forward_kernels
