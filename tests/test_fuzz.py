@@ -32,6 +32,30 @@ def test_a_partial_run_names_the_configurations_it_ran():
     assert summary["indices"] == [[10, 13]] and summary["invalid"] == 4
 
 
+def test_the_package_tree_id_is_gits(tmp_path):
+    """versions()["dualattn_tree"] is the git tree id of the package's files as they are on disk
+    (run.source_tree_id): git's own on a tree with nested and empty directories, an executable file,
+    a file and a directory whose names sort differently with git's trailing "/", and bytecode caches."""
+    import os
+    import subprocess
+    root = tmp_path / "pkg"
+    for rel, text in (("a.py", "x = 1\n"), ("a/b.py", ""), ("a/c/d.txt", "deep"), ("a-b.py", "y\n"),
+                      ("run.sh", "#!/bin/sh\n"), ("__pycache__/a.cpython-311.pyc", "junk"), ("a/e.pyc", "junk")):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "empty").mkdir()
+    os.chmod(root / "run.sh", 0o755)
+    (tmp_path / ".gitignore").write_text("__pycache__/\n*.pyc\n")
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True,  # noqa: E731
+                                    check=True).stdout.strip()
+    git("init", "-q")
+    git("add", "-A")
+    assert run.source_tree_id(str(root)) == git("write-tree", "--prefix=pkg/")
+    (root / "a" / "b.py").write_text("changed")
+    assert run.source_tree_id(str(root)) != git("write-tree", "--prefix=pkg/")
+    assert run.versions()["dualattn_tree"] == run.source_tree_id(os.path.dirname(os.path.dirname(run.__file__)))
+
+
 def _valid_index(kind: str, seed: int = CI_SEED) -> int:
     """The first index of `seed` that draws a small valid configuration of `kind`."""
     for i in range(10_000):

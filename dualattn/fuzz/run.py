@@ -9,6 +9,7 @@ import collections
 import concurrent.futures
 import datetime
 import functools
+import hashlib
 import multiprocessing
 import os
 import platform
@@ -113,9 +114,34 @@ def features(c: dict) -> list:
 
 
 def versions() -> dict:
-    """Package versions and the dualattn commit: read once per process (every checkpoint's summary
-    carries them, and `git describe --dirty` reads the working tree)."""
+    """Package versions, the dualattn commit and the id of the package's files: read once per process
+    (every checkpoint's summary carries them, and both read the working tree)."""
     return dict(_versions())
+
+
+def source_tree_id(root: str) -> str:
+    """The git tree id of the directory `root` as it is on disk (bytecode caches left out, as
+    .gitignore leaves them): `git rev-parse <commit>:dualattn` names the commit whose package it is.
+    A copied checkout whose .git is stale still records the code that ran (its `git describe` names
+    the stale HEAD)."""
+    entries = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name == "__pycache__" or name.endswith(".pyc"):
+            continue
+        if os.path.isdir(path):
+            if not os.listdir(path):
+                continue   # git keeps no empty directories
+            mode, sha = b"40000", bytes.fromhex(source_tree_id(path))
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+            mode = b"100755" if os.access(path, os.X_OK) else b"100644"
+            sha = hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
+        # git orders a tree's entries by name, a directory's as if it ended in "/"
+        entries.append((name.encode() + (b"/" if mode == b"40000" else b""), mode, name.encode(), sha))
+    body = b"".join(mode + b" " + name + b"\0" + sha for _, mode, name, sha in sorted(entries))
+    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,6 +159,7 @@ def _versions() -> dict:
                                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
     except Exception:   # not a git checkout
         out["dualattn_commit"] = None
+    out["dualattn_tree"] = source_tree_id(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return out
 
 
