@@ -169,24 +169,33 @@ def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq, window):
     assert f".entry {plan.dq.kernel}(" in convert.asm["ptx"]
 
 
-@pytest.mark.parametrize("d, causal, hq, hkv, sq", [(128, True, 8, 2, 4096), (64, False, 4, 4, 1000)])
-def test_one_pass_takes_segment_ids(d, causal, hq, hkv, sq):
+@pytest.mark.parametrize("d, causal, hq, hkv, sq, sk", [(128, True, 8, 2, 4096, 4096), (64, False, 4, 4, 1000, 1024)])
+def test_one_pass_takes_segment_ids(d, causal, hq, hkv, sq, sk):
     """Segment ids: the one-pass kernel after the launch of its key tiles' segment ranges (keys of
     BLOCK_N own, queries of BLOCK_M iterated), and it compiles for sm_90."""
-    plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sq, segments=True)
+    plan = _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sk, segments=True)
     ranges, one_pass = plan.dkdv.chain
     assert (ranges.kernel, one_pass.kernel, plan.dq.kernel) == (
         "segment_ranges_kernel", ONE_PASS, "flash_bwd_dq_convert_kernel")
     block_m, block_n = flash_plan.ONE_PASS_TILES[d][:2]
     assert ranges.constexpr_dict == {"BLOCK_OWN": block_n, "BLOCK_OTHER": block_m, "OWN_IS_QUERY": False}
-    assert ranges.grid == (-(-sq // block_n), 2, 1)
+    assert ranges.grid == (-(-sk // block_n), 2, 1)
     assert one_pass.constexpr_dict["SEGMENTS"] and one_pass.resume == (("segment_ranges", "segment_ranges"),)
-    assert not _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sq).dkdv.constexpr_dict["SEGMENTS"]
+    assert not _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sk).dkdv.constexpr_dict["SEGMENTS"]
     dtypes = dict.fromkeys(("query", "key", "value", "dout"), "bfloat16")
     dtypes.update(lse="float32", delta="float32", q_segment_ids="int32", kv_segment_ids="int32",
                   segment_ranges="int32")
     compiled = compile_check.compile_launch(one_pass, dtypes, arch=90)
     assert "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"] and compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+def test_one_pass_takes_segment_ids_on_whole_key_tiles_only():
+    """With segment ids, keys past a partial last key tile are bounded by their padding id (-1) alone,
+    which a caller's query id -1 would match: such problems keep the two-pass backward
+    (hopper.one_pass_backward), whatever DUALATTN_ONE_PASS says."""
+    assert _plan(sq=1024, sk=1280, segments=True).dkdv.chain[-1].kernel == ONE_PASS
+    assert _plan(sq=1024, sk=1300, segments=True).dkdv.chain[-1].kernel == "flash_bwd_dkdv_kernel"
+    assert _plan(sq=1024, sk=1300).dkdv.kernel == ONE_PASS
 
 
 def _cdiv(a, b):
@@ -360,7 +369,7 @@ DOCUMENTS = {
     "repeated-id": (_runs((0, 700), (1, 600), (0, 400), (2, 348)), None),
     "wide-int64": (_runs((2 ** 40, 900), (2 ** 40 + 1, 1148)), None),
     # cross attention: Sq != Sk, other runs on each side, query id 7 in no key (rows with nothing visible)
-    "cross": (_runs((0, 200), (7, 100), (1, 700)), _runs((0, 500), (1, 600), (2, 200))),
+    "cross": (_runs((0, 200), (7, 100), (1, 700)), _runs((0, 500), (1, 600), (2, 180))),
 }
 
 
