@@ -455,8 +455,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
     warp_specialize: as plan_forward's; eligible kernels take the tiles warp_specialized_backward
     gives in place of config's.  num_sms: as plan_forward's (persistent_backward).
-    gluon: the launcher runs Gluon kernels on an sm_90 GPU (torch; jax-triton 0.3.1 cannot compile
-    them); problems one_pass_backward accepts then get the one-pass backward: `dkdv` computes dK,
+    gluon: the launcher runs Gluon kernels on an sm_90 GPU (torch, and JAX through jax_api/_gluon.py:
+    gluon_allowed); problems one_pass_backward accepts then get the one-pass backward: `dkdv` computes dK,
     dV and an fp32 dQ accumulator ('dq_accum'), which `dq` takes as input and casts.  Launchers
     pass dkdv's results to dq.
     deterministic: no one-pass backward (its dQ tiles meet in fp32 atomics, in varying order); the
