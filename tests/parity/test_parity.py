@@ -280,6 +280,19 @@ def _gpu_both(tensors, causal, **options):
     return [t.detach() for t in (to, *tg)], [torch.from_dlpack(a) for a in (jo, *jg)]
 
 
+def _assert_same_bits(torch_results, jax_results, one_pass: bool):
+    """out, dq, dk, dv bitwise equal in both frameworks; dQ of the one-pass kernel within one bf16 step.
+    That kernel adds each key tile's dQ into fp32 by TMA reductions, in whatever order the programs
+    reach them (as FA3): run to run, in either framework, a few sums round the other way, rarely."""
+    for name, a, ref in zip(("out", "dq", "dk", "dv"), jax_results, torch_results):
+        same = a.view(torch.int16) == ref.view(torch.int16)
+        if name == "dq" and one_pass:
+            step = ref.float().abs() * 2.0 ** -7 + 1e-6
+            assert bool(((a.float() - ref.float()).abs() <= step).all()) and int((~same).sum()) < same.numel() // 1000
+            continue
+        assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
+
+
 def _default_plans(shapes_bshd, causal, num_sms):
     """(forward, dQ) launches the Triton plans give on sm_90 with num_sms SMs (both launchers ask
     the same; the Gluon kernels off), built as the offline compile tests build them."""
@@ -329,16 +342,7 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
     backward_kernels = spy_kernels(monkeypatch)
     forward_kernels = spy_kernels(monkeypatch, "plan_forward")
     t, j = _gpu_both(_gpu_inputs(0, b, s, h, d), causal)
-    for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):
-        same = a.view(torch.int16) == ref.view(torch.int16)
-        if name == "dq" and one_pass:
-            # The one-pass kernel adds each key tile's dQ into fp32 by TMA reductions, in whatever
-            # order the programs reach them (as FA3): run to run, in either framework, a few sums
-            # round the other way.  Within one bf16 step of each other, and rarely.
-            step = ref.float().abs() * 2.0 ** -7 + 1e-6
-            assert bool(((a.float() - ref.float()).abs() <= step).all()) and int((~same).sum()) < same.numel() // 1000
-            continue
-        assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
+    _assert_same_bits(t, j, one_pass)
     # torch's and JAX's backward plans (JAX may plan twice: trace and lowering) chose alike
     assert len(backward_kernels) >= 2 and all((k == "flash_bwd_one_pass_kernel") == one_pass for k in backward_kernels)
     assert len(forward_kernels) >= 2 and all((k == "flash_fwd_gluon_kernel") == one_pass for k in forward_kernels)
@@ -356,12 +360,6 @@ def test_gpu_soft_cap_on_the_gluon_kernels_is_the_same_in_both(monkeypatch):
     backward_kernels = spy_kernels(monkeypatch)
     forward_kernels = spy_kernels(monkeypatch, "plan_forward")
     t, j = _gpu_both(_gpu_inputs(1, 1, 4096, 8, 128), True, logits_soft_cap=30.0)
-    for name, a, ref in zip(("out", "dq", "dk", "dv"), j, t):
-        same = a.view(torch.int16) == ref.view(torch.int16)
-        if name == "dq":
-            step = ref.float().abs() * 2.0 ** -7 + 1e-6
-            assert bool(((a.float() - ref.float()).abs() <= step).all()) and int((~same).sum()) < same.numel() // 1000
-            continue
-        assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
+    _assert_same_bits(t, j, one_pass=True)
     assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels
     assert forward_kernels and set(forward_kernels) == {"flash_fwd_gluon_kernel"}, forward_kernels
