@@ -189,13 +189,18 @@ def test_one_pass_takes_segment_ids(d, causal, hq, hkv, sq, sk):
     assert "cp.reduce.async.bulk.tensor" in compiled.asm["ptx"] and compiled.asm["cubin"][:4] == b"\x7fELF"
 
 
-def test_one_pass_takes_segment_ids_on_whole_key_tiles_only():
-    """With segment ids, keys past a partial last key tile are bounded by their padding id (-1) alone,
-    which a caller's query id -1 would match: such problems keep the two-pass backward
-    (hopper.one_pass_backward), whatever DUALATTN_ONE_PASS says."""
-    assert _plan(sq=1024, sk=1280, segments=True).dkdv.chain[-1].kernel == ONE_PASS
-    assert _plan(sq=1024, sk=1300, segments=True).dkdv.chain[-1].kernel == "flash_bwd_dkdv_kernel"
-    assert _plan(sq=1024, sk=1300).dkdv.kernel == ONE_PASS
+@pytest.mark.parametrize("segments", [False, True])
+def test_a_partial_last_key_tile_runs_masked(segments):
+    """Keys past a partial last key tile read as zeros from TMA, where P would be exp(-lse): EVEN_K off
+    masks every query tile of that key tile by position (and a caller's query id -1 cannot meet the
+    keys' padding id); the variant compiles for sm_90."""
+    assert _plan(sq=1024, sk=1280, segments=segments).dkdv.chain[-1].constexpr_dict["EVEN_K"]
+    one_pass = _plan(sq=1000, sk=1300, segments=segments).dkdv.chain[-1]
+    assert one_pass.kernel == ONE_PASS and not one_pass.constexpr_dict["EVEN_K"]
+    dtypes = dict.fromkeys(("query", "key", "value", "dout"), "bfloat16")
+    dtypes.update(lse="float32", delta="float32", q_segment_ids="int32", kv_segment_ids="int32",
+                  segment_ranges="int32")
+    assert compile_check.compile_launch(one_pass, dtypes, arch=90).asm["cubin"][:4] == b"\x7fELF"
 
 
 def _cdiv(a, b):
@@ -369,7 +374,10 @@ DOCUMENTS = {
     "repeated-id": (_runs((0, 700), (1, 600), (0, 400), (2, 348)), None),
     "wide-int64": (_runs((2 ** 40, 900), (2 ** 40 + 1, 1148)), None),
     # cross attention: Sq != Sk, other runs on each side, query id 7 in no key (rows with nothing visible)
-    "cross": (_runs((0, 200), (7, 100), (1, 700)), _runs((0, 500), (1, 600), (2, 180))),
+    "cross": (_runs((0, 200), (7, 100), (1, 700)), _runs((0, 500), (1, 600), (2, 200))),
+    # queries padded with id -1, the keys' padding id inside the kernel (int32 ids reach it as they are;
+    # int64 ones become ranks), keys past a partial last tile
+    "query-padding-minus-one": (_runs((0, 600), (-1, 424)).int(), _runs((0, 1000)).int()),
 }
 
 
@@ -378,7 +386,7 @@ DOCUMENTS = {
     (128, "tile-aligned", True, None), (128, "tile-aligned", False, None), (128, "ragged", True, None),
     (128, "ragged", False, None), (128, "repeated-id", True, None), (128, "repeated-id", False, None),
     (128, "wide-int64", True, "7"), (64, "ragged", True, None), (64, "ragged", False, "7"), (64, "cross", False, None),
-    (128, "cross", True, None)])
+    (128, "cross", True, None), (128, "query-padding-minus-one", False, None)])
 def test_gpu_one_pass_documents(monkeypatch, seed, d, docs, causal, programs):
     """Segment ids on the one-pass backward: each key tile visits the query tiles sharing an id with
     it (its segment ranges), compares ids outside its one-id run.  Documents aligned to the tiles or
@@ -517,3 +525,29 @@ def test_gpu_deterministic_gradients_are_bitwise_reproducible(monkeypatch, seed)
     first, second = grad(qj, kj, vj), grad(qj, kj, vj)
     for a, b in zip(first, second):
         assert bool((a == b).all())
+
+
+
+@pytest.mark.gpu
+def test_gpu_partial_key_tile_with_very_negative_lse_fp16(monkeypatch):
+    """fp16, every score far below zero (lse about -25) and a partial last key tile: the keys past the
+    end would get P = exp(-lse) (~1e11), an inf dS in fp16 and a NaN dQ, unless masked (EVEN_K off)."""
+    _require_sm90()
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    kernels = spy_kernels(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = 2.0 + 0.1 * torch.randn(1, 1024, 2, 64, device="cuda", generator=gen)
+    k = -2.0 + 0.1 * torch.randn(1, 1100, 2, 64, device="cuda", generator=gen)
+    v = torch.randn(1, 1100, 2, 64, device="cuda", generator=gen)
+    dout = torch.randn_like(q)
+    leaves = [t.half().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, return_lse=True)
+    grads = torch.autograd.grad(out, leaves, dout.half())
+    assert kernels == [ONE_PASS] and float(lse.max()) < -15.0
+    ref_leaves = [t.half().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.half().double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        assert_close_rel(g, r, 1e-2, name)

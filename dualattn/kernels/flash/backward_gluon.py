@@ -27,10 +27,11 @@ in Gluon"):
 
 One program owns key tile `pid_n` of one KV head of one batch and loops over the query heads of its
 GQA group (whose columns are adjacent: stride_qh == head dim) and their query tiles.  Rows past the
-sequences read as zeros from TMA (K = 0 and dO = 0 make their contributions vanish), so lengths
-need not be tile multiples.  Causal (bottom-right, diag = Sk - Sq + diag_shift): a key tile visits
-query tiles from the first that can see it; the ones straddling the diagonal are masked in a loop of
-their own.  Segment ids (packed documents): the key tile's segment ranges (segments.py) narrow its
+sequences read as zeros from TMA, so lengths need not be tile multiples: dO = 0 makes a query row's
+contributions vanish; keys past the end would still get P = exp(-lse), so a partial last key tile runs
+masked (EVEN_K off).  Causal (bottom-right, diag = Sk - Sq + diag_shift): a key tile visits query
+tiles from the first that can see it; the ones straddling the diagonal are masked in a loop of their
+own.  Segment ids (packed documents): the key tile's segment ranges (segments.py) narrow its
 query tiles to those sharing an id, and tiles outside its one-id run compare ids in the masked loops.
 What qualifies, the tile and the launch: plan.one_pass_backward / plan_backward.
 
@@ -236,8 +237,8 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
 
 @gluon.jit
 def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
-          q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-          QSEG_ROW, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, seqlen_k,
+          k_ids, QSEG_ROW, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr, DS_BUFS: gl.constexpr,
           WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
     """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal
@@ -267,21 +268,19 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
         pt = gl.exp2(tt * qk_scale - gl.expand_dims(lse, 0))
     else:
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
-    if MASK:  # S^T[key n, query m]: keep n <= m + diag (masked before any use: lse may be inf there)
+    if MASK:  # S^T[key n, query m]: masked before any use (lse may be inf there)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
-        queries = m0 + diag + gl.arange(0, BM, layout=col_layout)
-        if CAUSAL:
-            ok = gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0)
+        rows = m0 + gl.arange(0, BM, layout=col_layout)
+        # keys past the end (a partial last key tile; TMA reads them as zeros, so P = exp(-lse) there)
+        ok = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows < seqlen_q, 0)
+        if CAUSAL:   # keep n <= m + diag
+            queries = rows + diag
+            ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0))
             if WINDOW:
                 ok = ok & (gl.expand_dims(keys, 1) >= gl.expand_dims(queries - window_left, 0))
-            if SEGMENTS:
-                rows = m0 + gl.arange(0, BM, layout=col_layout)
-                q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
-                ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
-        else:   # (MASK without CAUSAL: SEGMENTS)
-            rows = m0 + gl.arange(0, BM, layout=col_layout)
+        if SEGMENTS:
             q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
-            ok = gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0)
+            ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
         pt = gl.where(ok, pt, 0.0)
     pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
@@ -321,7 +320,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        seg_stride_kb, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
                        CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
-                       SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
+                       SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -344,30 +343,38 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
         dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
         r_first = r
         mbarrier.wait(kv_ready, i & 1)
+        if not EVEN_K:
+            # a partial last key tile: every query tile masked, so that its keys past the end (zeros from
+            # TMA, P = exp(-lse) there: an inf dS in 16 bits where lse is very negative) count for nothing
+            partial = n0 + BN > seqlen_k
+            plain_lo = gl.where(partial, 0, plain_lo)
+            plain_hi = gl.where(partial, 0, plain_hi)
         for g in range(GROUP):
             # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
-            # unmasked ones, masked ones (the window's far edge; segment ids): _work_item's bounds
+            # unmasked ones, masked ones (the window's far edge; segment ids; a partial key tile's): _work_item's
+            # bounds
             if CAUSAL or SEGMENTS:
                 for j in range(plain_lo):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-                                   qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS,
-                                   WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
+                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
+                                   seqlen_k, k_ids, qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
+                                   True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
                     r += 1
             for j in range(plain_lo, plain_hi):
                 dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
                                do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
-                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids, qseg_row, cap_in, HEAD_DIM,
-                               BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
+                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row,
+                               cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL,
+                               SEGMENTS, SOFTCAP)
                 r += 1
-            if WINDOW or SEGMENTS:
+            if WINDOW or SEGMENTS or not EVEN_K:
                 for j in range(plain_hi, n_local):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, k_ids,
-                                   qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS,
-                                   WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
+                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
+                                   seqlen_k, k_ids, qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
+                                   True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
                     r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
@@ -396,7 +403,7 @@ def flash_bwd_one_pass_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
     PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
-    SOFTCAP: gl.constexpr,
+    SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -496,7 +503,7 @@ def flash_bwd_one_pass_kernel(
                               seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
                               SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, cap_in, HEAD_DIM, BLOCK_M, BLOCK_N,
                               STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS,
-                              SOFTCAP)),
+                              SOFTCAP, EVEN_K)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
                            w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM,

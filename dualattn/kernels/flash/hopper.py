@@ -281,11 +281,6 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
         return None
-    # Segment ids with a partial last key tile: the kernel bounds those keys by their padding id (-1), which
-    # a caller's query id -1 would match (TMA's zero rows then give P = exp(-lse) there, and dS's inf * 0 a
-    # NaN in dQ when the row sees nothing).  Whole key tiles only, until the kernel bounds keys by position.
-    if shapes.has_segments and shapes.seqlen_k % tile[1]:
-        return None
     return tile
 
 

@@ -608,7 +608,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
                     ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments),
-                    ("SOFTCAP", softcap)),
+                    ("SOFTCAP", softcap), ("EVEN_K", shapes.seqlen_k % block_n == 0)),
         num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
     if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
         one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)
