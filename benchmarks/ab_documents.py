@@ -8,7 +8,8 @@ tokens, S = 16384, D = 128 and 64, causal and not.
 the Gluon kernel does not take) is what runs, and compares its edge tiles inside the one loop (the
 default) against loops of their own (DUALATTN_EDGES_IN_LOOP=0).  `one-pass` compares the one-pass
 backward (the default from 4096 keys on Hopper) against the two-pass one (DUALATTN_ONE_PASS=0).
-Each setting is timed twice, alternating, in one process (do_bench medians); effective TFLOP/s count
+`--seqlen` sets S (8 equal documents; S = 16000 leaves a partial last key tile).  Each setting is
+timed twice, alternating, in one process (do_bench medians); effective TFLOP/s count
 the allowed (causal, same-document) pairs only, as bench_options.py does.
 """
 import argparse
@@ -26,11 +27,12 @@ SWITCHES = {"edges": "DUALATTN_EDGES_IN_LOOP", "one-pass": "DUALATTN_ONE_PASS"}
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("switch", choices=sorted(SWITCHES))
+    parser.add_argument("--seqlen", type=int, default=16384)
     args = parser.parse_args()
     if args.switch == "edges":
         switches.set_switches(DUALATTN_GLUON_FWD="0")
     for head_dim, heads in ((128, 16), (64, 32)):
-        seqlen, docs = 16384, 8
+        seqlen, docs = args.seqlen, 8
         q, k, v = (torch.randn(1, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         dout = torch.randn_like(q)
