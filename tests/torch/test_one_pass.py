@@ -544,7 +544,7 @@ def test_gpu_partial_key_tile_with_very_negative_lse_fp16(monkeypatch):
     leaves = [t.half().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(*leaves, return_lse=True)
     grads = torch.autograd.grad(out, leaves, dout.half())
-    assert kernels == [ONE_PASS] and float(lse.max()) < -15.0
+    assert kernels == [ONE_PASS] and float(lse.detach().max()) < -15.0
     ref_leaves = [t.half().double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = reference_attention(*ref_leaves)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.half().double())
