@@ -105,6 +105,10 @@ def _cases() -> List[Case]:
               Case("dropout", 2, 4096, 16, 128, False, dropout=DROPOUT),
               Case("bias", 2, 4096, 16, 128, False, bias=True),
               Case("mask", 2, 4096, 16, 128, False, mask=True),
+              Case("bias_causal", 2, 4096, 16, 128, True, bias=True),
+              Case("mask_causal", 2, 4096, 16, 128, True, mask=True),
+              Case("bias_d64", 2, 4096, 32, 64, False, bias=True),
+              Case("mask_d64", 2, 4096, 32, 64, False, mask=True),
               Case("blocksparse_window", 1, 16384, 16, 128, True, entry="blocksparse", window=1024)]
     return cases
 

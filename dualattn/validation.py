@@ -46,6 +46,7 @@ class FlashShapes:
     num_sinks: int = 0
     sinks_per_head: bool = False   # softmax_aux is (Hq, n) or (Hq,), not shared by all heads
     has_bias: bool = False
+    bias_dtype: str = ""    # (what the kernels read per score; "" where unknown)
     bias_bcast_batch: bool = False
     bias_bcast_head: bool = False
     has_mask: bool = False
@@ -141,7 +142,7 @@ def check_flash_args(query, key, value, *, bias=None, attention_mask=None, q_seg
     if bias is not None:
         _check_float("bias", bias)
         bs = _check_4d_map("bias", bias, batch, hq, sq, sk)
-        info.update(has_bias=True, bias_bcast_batch=bs[0] == 1 and batch != 1,
+        info.update(has_bias=True, bias_dtype=dtype_name(bias), bias_bcast_batch=bs[0] == 1 and batch != 1,
                     bias_bcast_head=bs[1] == 1 and hq != 1)
     if attention_mask is not None:
         md = dtype_name(attention_mask)

@@ -268,13 +268,15 @@ def _gpu_inputs(seed, b, s, h, d):
 
 
 def _gpu_both(tensors, causal, **options):
-    """(torch's, jax's) out, dq, dk, dv on the same device buffers (jax reads them through DLPack)."""
+    """(torch's, jax's) out, dq, dk, dv on the same device buffers (jax reads them through DLPack,
+    tensor options too)."""
     tq, tk, tv, tdo = tensors
     leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
     to = dt.flash_attention(*leaves, causal=causal, **options)
     tg = torch.autograd.grad(to, leaves, tdo)
+    jax_options = {n: jax.dlpack.from_dlpack(v) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
     jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton",
-                                                                   **options)),
+                                                                   **jax_options)),
                       *(jax.dlpack.from_dlpack(t) for t in (tq, tk, tv)))
     jg = vjp(jax.dlpack.from_dlpack(tdo))
     return [t.detach() for t in (to, *tg)], [torch.from_dlpack(a) for a in (jo, *jg)]
@@ -363,3 +365,22 @@ def test_gpu_soft_cap_on_the_gluon_kernels_is_the_same_in_both(monkeypatch):
     _assert_same_bits(t, j, one_pass=True)
     assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels
     assert forward_kernels and set(forward_kernels) == {"flash_fwd_gluon_kernel"}, forward_kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal, with_mask", [(128, True, False), (64, False, True)])
+def test_gpu_bias_and_mask_on_the_gluon_forward_are_the_same_in_both(monkeypatch, d, causal, with_mask):
+    """A bias (and at D=64 an attention mask beside it) on the Gluon forward: the same bits in both
+    frameworks (the backward runs the portable kernels)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    from plan_spy import spy_chains
+    chains = spy_chains(monkeypatch)
+    tensors = _gpu_inputs(3, 2, 2048, 4, d)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    options = dict(bias=torch.randn(2, 4, 2048, 2048, device="cuda", generator=gen).to(torch.bfloat16))
+    if with_mask:
+        options["attention_mask"] = torch.rand(2, 1, 2048, 2048, device="cuda", generator=gen) < 0.8
+    t, j = _gpu_both(tensors, causal, **options)
+    _assert_same_bits(t, j, one_pass=False)
+    assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains

@@ -7,6 +7,7 @@ jax_api/_gluon.py: tests/parity compares the two frameworks bit for bit.)
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -64,6 +65,46 @@ def test_plan_takes_the_gluon_forward():
     assert dict(capped.scalars)["softcap"] == 30.0
     assert _plan(logits_soft_cap=30.0).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_EXP2
     assert _plan(causal=True).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_NONE
+    # a bias and an attention mask: read per tile beside S, with their (batch, head, row) strides
+    scored = _plan(causal=True, bias=True, mask=True, sq=1000, sk=1104)
+    assert scored.kernel == GLUON_FWD and {"bias", "attention_mask"} <= set(scored.inputs)
+    assert (scored.constexpr_dict["HAS_BIAS"], scored.constexpr_dict["HAS_MASK"]) == (True, True)
+    assert dict(scored.scalars)["bias_stride_s"] == 1104 and dict(scored.scalars)["mask_stride_h"] == 1000 * 1104
+    assert not _plan(causal=True).constexpr_dict["HAS_BIAS"]
+
+
+def test_gluon_forward_copies_score_tiles_in_16_byte_pieces():
+    """Bias and mask tiles are copied 8 elements at a time: Sk and the strides stepped by must be
+    multiples of 8 (broadcast dimensions are not stepped by); otherwise the Triton forward."""
+    assert _plan(bias=True, sk=1100).kernel == "flash_fwd_kernel"
+    assert _plan(mask=True, sk=1100).kernel == "flash_fwd_kernel"
+    shapes, options, strides, config = gluon_problem(b=2, hq=4, sk=1024, bias=True)
+    for bias_strides, bcast, gluon in (((0, 1024 * 1024, 1024, 1), (True, False), True),
+                                       ((4, 1024 * 1024, 1024, 1), (True, False), True),   # broadcast: any stride
+                                       ((4 * 1024 * 1028, 1024 * 1028, 1028, 1), (False, False), False),
+                                       ((4 * 1024 * 1032, 1024 * 1032, 1032, 1), (False, False), True)):
+        s = dataclasses.replace(shapes, bias_bcast_batch=bcast[0], bias_bcast_head=bcast[1])
+        launch = flash_plan.plan_forward(s, options, {**strides, "bias": bias_strides}, config=config,
+                                         warp_specialize=True, gluon=True, num_sms=132)
+        assert (launch.kernel == GLUON_FWD) == gluon, bias_strides
+
+
+@pytest.mark.parametrize("d, extra, gluon", [
+    (128, dict(bias="bfloat16"), True), (128, dict(mask=True), True), (128, dict(bias="float32"), False),
+    (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True)])
+def test_fit_keeps_gluon_where_the_score_tiles_fit(d, extra, gluon):
+    """Each compute warpgroup holds a tile of the bias and of the mask in shared memory: at D=128 one
+    16-bit tile fits beside K, V, Q and O, a float32 one or both do not (fit.forward, from the
+    compiled kernel, plans the Triton forward there); at D=64 everything fits."""
+    from dualattn.kernels.flash import fit
+    bias_dtype = extra.get("bias")
+    shapes, options, strides, config = gluon_problem(d=d, causal=True, sq=1024, sk=1024, bias=bias_dtype is not None,
+                                                     mask=extra.get("mask", False))
+    dtypes = {**dict.fromkeys(("query", "key", "value"), "bfloat16"), "attention_mask": "int8",
+              **({"bias": bias_dtype} if bias_dtype else {})}
+    launch = fit.forward(shapes, options, strides, config=config, arch=90, max_shared=fit.MAX_SHARED_BYTES[90],
+                         dtypes=dtypes, warp_specialize=True, gluon=True, num_sms=132)
+    assert (launch.kernel == GLUON_FWD) == gluon, launch.kernel
 
 def test_plan_takes_the_gluon_forward_for_documents():
     """Segment ids: the launch of the tiles' segment ranges (128-row query tiles over 128-wide key tiles,
@@ -79,7 +120,7 @@ def test_plan_takes_the_gluon_forward_for_documents():
 
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
-    for kwargs in (dict(gluon=False), dict(bias=True), dict(d=96),
+    for kwargs in (dict(gluon=False), dict(d=96),
                    dict(dtype="float32"), dict(dropout_prob=0.1),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
@@ -97,7 +138,10 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
     (64, False, 4, 2, "bfloat16", 1000, dict(sliding_window=(200, 0), sinks=True)),
     (128, True, 4, 2, "bfloat16", 1024, dict(segments=True)), (64, False, 4, 4, "float16", 1000, dict(segments=True)),
     (128, True, 4, 2, "bfloat16", 1024, dict(logits_soft_cap=30.0, hardware_tanh=True)),
-    (64, False, 4, 4, "bfloat16", 1000, dict(logits_soft_cap=30.0, sinks=True))])
+    (64, False, 4, 4, "bfloat16", 1000, dict(logits_soft_cap=30.0, sinks=True)),
+    (128, True, 4, 2, "bfloat16", 1024, dict(bias=True)), (64, False, 4, 4, "float16", 1000, dict(mask=True)),
+    (128, False, 4, 4, "bfloat16", 1000, dict(bias=True, mask=True, logits_soft_cap=30.0, hardware_tanh=True)),
+    (64, True, 4, 2, "bfloat16", 1024, dict(bias=True, segments=True, sliding_window=(200, 0), sinks=True))])
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
     """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store;
     the soft cap's tanh as the GPU's tanh.approx where the plan asks for it."""
@@ -105,7 +149,8 @@ def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype,
     assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
     compiled = compile_check.compile_launch(
         launch, {**dict.fromkeys(("query", "key", "value"), dtype), "softmax_aux": "float32",
-                 **dict.fromkeys(("q_segment_ids", "kv_segment_ids", "segment_ranges"), "int32")}, arch=90)
+                 **dict.fromkeys(("q_segment_ids", "kv_segment_ids", "segment_ranges"), "int32"),
+                 "bias": "bfloat16", "attention_mask": "int8"}, arch=90)
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.num_warps == 12
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
@@ -222,3 +267,71 @@ def test_gpu_gluon_forward_documents(monkeypatch, seed, causal, docs):
     assert_close_rel(lse, ref_lse, 1e-2, "lse")
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close_rel(g, r, 1e-2, name)
+
+
+# Bias and attention mask on the Gluon forward: shapes (batch or 1, heads or 1), dtypes and the options
+# they combine with.  (b, sq, sk, hq, hkv, d, options, bias (shape, dtype) or None, mask shape or None)
+SCORED_CASES = {
+    "d128-causal-bias-gqa": (2, 1024, 1024, 4, 2, 128, dict(causal=True), ((2, 4), torch.bfloat16), None),
+    "d128-mask-ragged-q": (2, 1000, 1104, 4, 4, 128, {}, None, (2, 1)),
+    "d128-fp16-bias-heads-shared-cross": (1, 512, 2048, 4, 4, 128, dict(softmax_scale=0.2),
+                                          ((1, 1), torch.float16), None),
+    "d64-fp32-bias-mask-softcap-sinks": (2, 768, 768, 4, 2, 64, dict(causal=True, logits_soft_cap=5.0),
+                                         ((1, 4), torch.float32), (2, 4)),
+    "d64-window-bias-documents": (2, 1024, 1024, 4, 4, 64, dict(sliding_window=(200, 0)),
+                                  ((2, 1), torch.bfloat16), None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(SCORED_CASES))
+def test_gpu_gluon_forward_bias_and_mask(monkeypatch, seed, case):
+    """The bias joins S before the cap and the mask after it, tiles copied a key tile ahead; masked
+    rows (a query that sees no key) give O = 0 and lse = -inf.  Against the float64 reference,
+    forward and backward (the backward, and dbias, run the portable kernels)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape = SCORED_CASES[case]
+    dtype = bias_spec[1] if bias_spec and bias_spec[1] == torch.float16 else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+    extra = dict(opts)
+    if "logits_soft_cap" in opts:
+        extra["softmax_aux"] = torch.randn(hq, device="cuda", generator=gen)
+    if case.endswith("documents"):
+        ids = (torch.arange(sq, device="cuda") * 3 // sq)[None].expand(b, sq).contiguous()
+        extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if bias_spec:
+        (bb, bh), bdtype = bias_spec
+        bias = (2.0 * torch.randn(bb, bh, sq, sk, device="cuda", generator=gen)).to(bdtype)
+        extra["bias"] = bias.clone().requires_grad_()
+    if mask_shape:
+        mask = torch.rand(*mask_shape, sq, sk, device="cuda", generator=gen) < 0.7
+        mask[0, 0, 5] = False              # a row that sees nothing
+        mask[-1, -1, :, 64:200] = False    # a band of keys nobody sees
+        extra["attention_mask"] = mask
+    chains = spy_chains(monkeypatch)
+    out, lse = flash_attention(*leaves, return_lse=True, **extra)
+    assert [c[-1] for c in chains] == [GLUON_FWD], chains
+    grad_leaves = leaves + ([extra["bias"]] if bias_spec else [])
+    grads = torch.autograd.grad(out, grad_leaves, dout)
+    ref_extra = dict(extra)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    if bias_spec:
+        ref_extra["bias"] = extra["bias"].detach().double().requires_grad_()
+    ref_out, ref_lse = reference_attention(*ref_leaves, **ref_extra)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves + ([ref_extra["bias"]] if bias_spec else []), dout.double())
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_close_rel(out, ref_out, 1e-2, "out")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern (rows with nothing visible)"
+    assert_close_rel(lse[finite], ref_lse[finite], 1e-2, "lse")
+    if mask_shape:   # (with sinks the row's lse is theirs)
+        assert (out[0, 5, 0] == 0).all() and ("softmax_aux" in extra or lse[0, 0, 5] == float("-inf"))
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert_close_rel(g, r, 2e-2 if name == "dbias" else 1e-2, name)

@@ -40,14 +40,17 @@ def one_pass_at_any_length(monkeypatch):
 def gluon_problem(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", strides=None, **opts):
     """(shapes, options, strides, config) of a plan for the Gluon kernels' tests (this file and
     test_gluon_forward.py); `strides` replaces some of the contiguous ones."""
-    segments = opts.pop("segments", False)
+    segments, bias, mask = (opts.pop(n, False) for n in ("segments", "bias", "mask"))
     shapes = FlashShapes(b, sq, sk, hq, hkv, d, d, dtype, num_sinks=1 if opts.pop("sinks", False) else 0,
-                         sinks_per_head=True, has_bias=opts.pop("bias", False), has_segments=segments)
+                         sinks_per_head=True, has_bias=bias, has_mask=mask, has_segments=segments)
     options = FlashOptions.build(head_dim=d, **opts)
     contiguous = {n: row_major_strides((b, s, h, d)) for n, s, h in
                   (("query", sq, hq), ("key", sk, hkv), ("value", sk, hkv), ("out", sq, hq))}
     if segments:
         contiguous.update(q_segment_ids=(sq, 1), kv_segment_ids=(sk, 1))
+    for name, present in (("bias", bias), ("attention_mask", mask)):   # (B, Hq, Sq, Sk)
+        if present:
+            contiguous[name] = row_major_strides((b, hq, sq, sk))
     return shapes, options, {**contiguous, **(strides or {})}, flash_plan.default_config(shapes, interpret=False)
 
 

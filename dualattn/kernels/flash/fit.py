@@ -7,8 +7,10 @@ conversions for them can take more shared memory than an sm_90 block has (227 KB
 Triton then raises OutOfResources at the first launch.  So the launchers plan through `forward` and
 `backward` here: each portable launch is compiled for the device (triton.compile, what the first
 launch would compile anyway; cached per variant in-process) and replaced by a smaller variant while it
-does not fit.  The warp-specialised and Gluon kernels run fixed tiles on option-free problems that
-are known to fit, and are not recompiled here.
+does not fit.  The warp-specialised and Gluon kernels run fixed tiles that are known to fit, and are
+not recompiled here, except the Gluon forward with a bias or an attention mask: it holds a tile of
+each per compute warpgroup, and where those do not fit (a float32 bias, or both, at D=128) the
+forward is planned again without Gluon.
 
 Registers need no such check: Triton declares each kernel's thread count to ptxas (.maxntid, at most
 8 warps in these plans), and ptxas keeps a thread within 255 registers and the block within the SM's
@@ -31,6 +33,7 @@ from .plan import FlashConfig, TileConfig
 # for these without a GPU; launchers on a GPU pass the device's own number).
 MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 PORTABLE_KERNELS = ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")
+GLUON_SCORED_KERNEL = "flash_fwd_gluon_kernel"
 MIN_BLOCK = 16
 
 
@@ -45,10 +48,17 @@ def shared_bytes(launch: Launch, dtypes: Dict[str, str], arch: int, specialize: 
     return _shared_bytes(launch, tuple(sorted(dtypes.items())), int(arch), specialize)
 
 
+def _checked(launch: Launch) -> bool:
+    const = launch.constexpr_dict
+    if launch.kernel == GLUON_SCORED_KERNEL:
+        return bool(const["HAS_BIAS"] or const["HAS_MASK"])
+    return launch.kernel in PORTABLE_KERNELS and not const.get("WARP_SPECIALIZE")
+
+
 def fits(launch: Launch, dtypes: Dict[str, str], arch: int, max_shared: int, specialize: str = "torch") -> bool:
-    """Whether every portable launch of `launch`'s chain fits `max_shared` bytes on sm_<arch>."""
-    return all(shared_bytes(one, dtypes, arch, specialize) <= max_shared for one in launch.chain
-               if one.kernel in PORTABLE_KERNELS and not one.constexpr_dict.get("WARP_SPECIALIZE"))
+    """Whether every portable launch of `launch`'s chain, and a Gluon forward with a bias or mask,
+    fits `max_shared` bytes on sm_<arch>."""
+    return all(shared_bytes(one, dtypes, arch, specialize) <= max_shared for one in launch.chain if _checked(one))
 
 
 def smaller_tiles(tile: TileConfig) -> Iterator[TileConfig]:
@@ -82,6 +92,12 @@ def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sha
                                          **plan_kwargs)
         if fits(launch, dtypes, arch, max_shared, specialize):
             return launch
+        if launch.chain[-1].kernel == GLUON_SCORED_KERNEL:   # its bias and mask tiles do not fit: not Gluon
+            plan_kwargs = {**plan_kwargs, "gluon": False}
+            launch = flash_plan.plan_forward(shapes, options, strides, config=dataclasses.replace(config, fwd=tile),
+                                             **plan_kwargs)
+            if fits(launch, dtypes, arch, max_shared, specialize):
+                return launch
     return _none_fits(launch, arch, max_shared, shapes, plan_kwargs.get("sparse"))
 
 

@@ -26,11 +26,15 @@ Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests c
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from .backward_gluon import _mma_layout, _partition_barrier, capped_tanh
 from .rules import GLUON_FWD_INTS
+
+# How one warpgroup copies a [64, 128] tile of the bias or mask: 8 consecutive elements per thread.
+SCORE_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -123,13 +127,19 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW, cap_in,
-             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
-             SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
+             bias_buf, bias_in, mask_buf, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
+             SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
     Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
-    FMA per element.  SOFTCAP: S becomes tanh(S * scale / cap) first (cap_in = scale / cap), and the
-    caller's qk_scale is cap * log2 e, so that FMA gives cap * tanh(.) in log2 units (rules.logits'
-    constants, finite for every legal scale and cap)."""
+    FMA per element.  HAS_BIAS: the bias tile joins S in S's own units (bias_in = 1 / scale), one
+    FMA, so that the scale applied after it gives S * scale + bias.  SOFTCAP: S becomes
+    tanh(S * scale / cap) first (cap_in = scale / cap), and the caller's qk_scale is cap * log2 e, so
+    that FMA gives cap * tanh(.) in log2 units (rules.logits' constants, finite for every legal
+    scale and cap).  HAS_MASK: where the attention mask's tile is 0, S is -inf (after the cap).  The
+    bias and mask tiles are read from shared memory where they are used, so no registers hold them
+    across the GEMMs (loaded a tile ahead into registers, they spilled)."""
+    if HAS_BIAS:
+        s = s + bias_buf.load(s.type.layout).to(gl.float32) * bias_in
     if SOFTCAP != 0:
         s = capped_tanh(s * cap_in, SOFTCAP)
     # The branch stays in the loop even where it is never taken (non-causal, Sk a multiple of BN):
@@ -150,6 +160,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
             k_ids = gl.load(KSEG_ROW + keys, mask=keys < seqlen_k, other=-1)
             ok = ok & (gl.expand_dims(q_ids, 1) == gl.expand_dims(k_ids, 0))
         s = gl.where(ok, s, float("-inf"))
+    if HAS_MASK:
+        s = gl.where(mask_buf.load(s.type.layout) != 0, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
@@ -158,13 +170,48 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
 
 
 @gluon.jit
+def _fetch_scores(buf, ROW, row_offsets, row_ok, n0, seqlen_k, BN: gl.constexpr):
+    """Start copying keys n0.. of one query half's rows of a per-score tensor (bias, attention mask)
+    into `buf` (cp.async, zeros outside the sequences).  Issued once the previous tile's softmax
+    has read `buf`, it lands during the next S and P V GEMMs, with no registers holding it (a TMA
+    ring would not fit beside K, V, Q and O).  The plan makes the rows' offsets and Sk multiples
+    of 8 elements (16-byte copies)."""
+    keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, SCORE_COPY_LAYOUT))
+    ptrs = ROW + (gl.expand_dims(row_offsets, 1) + gl.expand_dims(keys, 0))
+    ok = gl.max_constancy(gl.expand_dims(row_ok, 1) & gl.expand_dims(keys < seqlen_k, 0), [1, 8])
+    async_copy.async_copy_global_to_shared(buf, ptrs, mask=ok)
+
+
+@gluon.jit
+def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k,
+                       BN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
+    """_fetch_scores of the bias and of the mask at keys n0.., as one commit group."""
+    if HAS_BIAS:
+        _fetch_scores(bias_buf, BIAS_ROW, bias_rows, row_ok, n0, seqlen_k, BN)
+    if HAS_MASK:
+        _fetch_scores(mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k, BN)
+    if HAS_BIAS or HAS_MASK:
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _scores_landed():
+    """The tiles _fetch_scores copied are there for the whole warpgroup: every thread's copies
+    done, then a barrier (each thread copied parts that others read)."""
+    async_copy.wait_group(0)
+    _partition_barrier()
+
+
+@gluon.jit
 def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW, cap_in,
+              BIAS_ROW, bias_stride_s, bias_in, bias_buf, MASK_ROW, mask_stride_s, mask_buf,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
-              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
+              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (ring positions r on):
-    (O unnormalised, row max, row sum, its rows)."""
+    (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
+    (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK)."""
     HM: gl.constexpr = BM // 2
     s_layout: gl.constexpr = _mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
@@ -177,12 +224,23 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
     q_ids = 0
     if SEGMENTS:
         q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
+    # The half's first row as a scalar pointer, its rows as 32-bit offsets from it (plan: 64 rows of
+    # the tensors span less than 2**31 elements): held through the loop, 64-bit offsets spilled.
+    half_row0 = m0 + HALF * HM
+    copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, SCORE_COPY_LAYOUT))
+    copy_rows_ok = copy_rows < seqlen_q - half_row0
+    BIAS_ROW = BIAS_ROW + gl.multiple_of(half_row0.to(gl.int64) * bias_stride_s, [8])
+    MASK_ROW = MASK_ROW + gl.multiple_of(half_row0.to(gl.int64) * mask_stride_s, [8])
+    bias_rows = gl.multiple_of(copy_rows * bias_stride_s, [8])
+    mask_rows = gl.multiple_of(copy_rows * mask_stride_s, [8])
     m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)
     acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_ready, tile & 1)
     count = n_tiles - n_first
     if count > 0:
+        _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
+                           n_first * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
         # Prologue: S_0 and its softmax.
         st = r % STAGES
         mbarrier.wait(k_ready.index(st), (r // STAGES) & 1)
@@ -190,9 +248,17 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
+        if HAS_BIAS or HAS_MASK:
+            _scores_landed()
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n_first * BN, rows, seqlen_k, diag, window_left,
                                        (n_first < n_left_full) | (n_first >= n_full), q_ids, KSEG_ROW, cap_in,
-                                       CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS, SOFTCAP)
+                                       bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
+                                       SOFTCAP, HAS_BIAS, HAS_MASK)
+        if HAS_BIAS or HAS_MASK:
+            _partition_barrier()   # every thread has read the tiles: copy the next ones in
+            if count > 1:
+                _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
+                                   (n_first + 1) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
         for i in range(1, count):
             j = n_first + i
             rn = r + i
@@ -208,9 +274,17 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
             # K_j is read: the load warp may fetch K_{j+STAGES} during this softmax, not after P V.
             mbarrier.arrive(k_empty.index(sn), count=1)
             mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
+            if HAS_BIAS or HAS_MASK:
+                _scores_landed()
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
                                           (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
-                                          CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS, SOFTCAP)
+                                          bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
+                                          SOFTCAP, HAS_BIAS, HAS_MASK)
+            if HAS_BIAS or HAS_MASK:
+                _partition_barrier()
+                if i + 1 < count:
+                    _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
+                                       (j + 1) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + count - 1
@@ -252,10 +326,12 @@ def _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS: gl.constexpr, SINKS_PER_H
 def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                  o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k,
                  num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb, seg_stride_kb,
-                 cap_in, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, HALF: gl.constexpr,
+                 HEAD_DIM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
-                 SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
+                 SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL else 1
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
@@ -272,11 +348,18 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 WINDOW, SEGMENTS)
             if valid:
                 b64 = batch.to(gl.int64)
+                h64 = head.to(gl.int64)
                 acc, m_i, l_i, rows = _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs,
                                                 v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_q,
                                                 seqlen_k, diag, window_left, qk_scale, QSEG + b64 * seg_stride_qb,
-                                                KSEG + b64 * seg_stride_kb, cap_in, HALF, HEAD_DIM, BM, BN,
-                                                STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP)
+                                                KSEG + b64 * seg_stride_kb, cap_in,
+                                                BIAS + gl.multiple_of(b64 * bias_strides[0] + h64 * bias_strides[1],
+                                                                      [8]),
+                                                bias_strides[2], bias_in, bias_bufs.index(HALF),
+                                                MASK + gl.multiple_of(b64 * mask_strides[0] + h64 * mask_strides[1],
+                                                                      [8]),
+                                                mask_strides[2], mask_bufs.index(HALF), HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW,
+                                                EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -305,14 +388,16 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
 
 @gluon.jit(do_not_specialize=GLUON_FWD_INTS)
 def flash_fwd_gluon_kernel(
-    Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES,
+    Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
-    softcap, OUT, LSE, DESC_SCRATCH,
+    softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    OUT, LSE, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
     NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
@@ -360,17 +445,34 @@ def flash_fwd_gluon_kernel(
     cap_in = sm_scale / softcap
     if SOFTCAP != 0:
         qk_scale = softcap * 1.4426950408889634
+    bias_in = 1.0 / sm_scale   # (the bias is added in S's units: _softmax)
+    # Each compute warpgroup's tile of the bias and of the mask (a token buffer where absent), rows
+    # swizzled in 16-byte units so that S's layout reads them without bank conflicts.
+    bias_ty: gl.constexpr = BIAS.dtype.element_ty
+    mask_ty: gl.constexpr = MASK.dtype.element_ty
+    bias_tile: gl.constexpr = [2, HM, BLOCK_N] if HAS_BIAS else [2, 8, 8]
+    mask_tile: gl.constexpr = [2, HM, BLOCK_N] if HAS_MASK else [2, 8, 8]
+    bias_bufs = gl.allocate_shared_memory(bias_ty, bias_tile, gl.SwizzledSharedLayout(
+        128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
+    mask_bufs = gl.allocate_shared_memory(mask_ty, mask_tile, gl.SwizzledSharedLayout(
+        128 // mask_ty.primitive_bitwidth, 1, 8, [1, 0]))
+    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_s)
+    mask_strides = (mask_stride_b, mask_stride_h, mask_stride_s)
     gl.warp_specialize([
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
-                        seg_stride_qb, seg_stride_kb, cap_in, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP)),
+                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides,
+                        mask_bufs, 0,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
-                        seg_stride_qb, seg_stride_kb, cap_in, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP)),
+                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides,
+                        mask_bufs, 1,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
                      SEGMENT_RANGES, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, SEGMENTS)),

@@ -85,10 +85,12 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
             and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
-def _without_segments(constexprs):
-    """The constexprs as if there were no segment ids: the Gluon kernels take them (per-tile ranges
-    narrow the loops, ids compared outside a tile's one-id run) where the Triton ones cannot."""
-    return tuple((name, False if name == "HAS_SEGMENTS" else value) for name, value in constexprs)
+def _without_segments(constexprs, *others: str):
+    """The constexprs as if there were no segment ids (nor the options named in `others`): the Gluon
+    kernels take them (per-tile ranges narrow the loops, ids compared outside a tile's one-id run)
+    where the Triton ones cannot."""
+    dropped = ("HAS_SEGMENTS",) + others
+    return tuple((name, False if name in dropped else value) for name, value in constexprs)
 
 
 def split_band(shapes: FlashShapes, constexprs) -> bool:
@@ -300,7 +302,8 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
     for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
     GPT-OSS), sinks of any count (joined after the loop), segment ids (packed documents, not
-    varlen: _warp_specializable), the soft cap (the Triton kernels' tanh, softcap_mode); descriptors
+    varlen: _warp_specializable), the soft cap (the Triton kernels' tanh, softcap_mode), a bias and an
+    attention mask (any broadcast over batch and heads); descriptors
     over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
@@ -309,10 +312,26 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
-    # compared on the tiles outside its one-id run.
-    if not _warp_specializable(shapes, sparse, _without_segments(constexprs)):
+    # compared on the tiles outside its one-id run.  A bias and an attention mask: read per tile beside S.
+    if not _warp_specializable(shapes, sparse, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
+        return False
+    if not all(score_tiles_copyable(shapes, strides, name) for name in ("bias", "attention_mask")):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
+
+
+def score_tiles_copyable(shapes: FlashShapes, strides, name: str) -> bool:
+    """Whether the Gluon forward can copy tiles of `name` (bias, attention_mask: (B|1, Hq|1, Sq, Sk))
+    in 16-byte pieces (forward_gluon._fetch_scores): every stride it steps by and Sk multiples of 8
+    elements, and 64 rows within 2**31 elements (32-bit row offsets).  True where it is absent.
+    (Whether its tiles then fit in shared memory is fit.forward's check, on the compiled kernel.)"""
+    if name not in strides:
+        return True
+    bcast = {"bias": (shapes.bias_bcast_batch, shapes.bias_bcast_head),
+             "attention_mask": (shapes.mask_bcast_batch, shapes.mask_bcast_head)}[name]
+    batch, head, row, col = strides[name]
+    steps = [row] + [s for s, broadcast in zip((batch, head), bcast) if not broadcast]
+    return col == 1 and shapes.seqlen_k % 8 == 0 and all(s % 8 == 0 for s in steps) and 64 * row < 2 ** 31
 
 
 def whole_array_rows(shapes: FlashShapes, strides, names) -> bool:

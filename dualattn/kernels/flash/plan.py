@@ -237,7 +237,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
     segments = shapes.has_segments
     main = Launch(
         module="flash.forward_gluon", kernel="flash_fwd_gluon_kernel", grid=grid,
-        inputs=("query", "key", "value", "softmax_aux", "q_segment_ids", "kv_segment_ids", "segment_ranges"),
+        inputs=("query", "key", "value", "softmax_aux", "q_segment_ids", "kv_segment_ids", "segment_ranges", "bias",
+                "attention_mask"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ob",
                                                "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -245,14 +246,17 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
            ("num_heads_q", shapes.heads_q), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
-           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"])),
+           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"]))
+        + tuple((k, scalar[k]) for k in ("bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
+                                         "mask_stride_h", "mask_stride_s")),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
                     ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
-                    ("SEGMENTS", segments), ("SOFTCAP", softcap)),
+                    ("SEGMENTS", segments), ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
+                    ("HAS_MASK", shapes.has_mask)),
         num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
     # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
     return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
