@@ -241,8 +241,8 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         q_segment_ids, kv_segment_ids = segment_ids_as_kernel_dtype(q_segment_ids, kv_segment_ids)
     if backend == "triton":
-        if attention_mask is not None and attention_mask.dtype not in (jnp.bool_, jnp.int8):
-            attention_mask = attention_mask != 0   # never truncated to 8 bits (256 -> 0)
+        if attention_mask is not None and attention_mask.dtype != jnp.bool_:
+            attention_mask = attention_mask != 0   # 0 / 1 as the kernels read it, never truncated (256 -> 0)
         arrays = dict(query=query, key=key, value=value, bias=bias,
                       attention_mask=None if attention_mask is None else attention_mask.astype(jnp.int8),
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

@@ -500,10 +500,12 @@ def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 def _normalise(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux):
     query, key, value, bias = map(_last_dim_contiguous, (query, key, value, bias))
     if attention_mask is not None:
-        # int8 in the kernels; any other integer mask becomes (mask != 0) first, never truncated (256 -> 0).
-        if attention_mask.dtype not in (torch.bool, torch.int8):
+        # The kernels read int8 0 / 1 (the Gluon forward masks S by integer operations on that): a bool
+        # mask is viewed as int8 in place (same bytes, no copy of an S x S tensor per call); any integer
+        # mask becomes (mask != 0) first, never truncated (256 -> 0).
+        if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask != 0
-        attention_mask = _last_dim_contiguous(attention_mask.to(torch.int8))
+        attention_mask = _last_dim_contiguous(attention_mask.view(torch.int8))
     if q_segment_ids is not None or kv_segment_ids is not None:
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids

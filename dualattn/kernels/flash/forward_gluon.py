@@ -126,6 +126,17 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
+def _masked(s, keep):
+    """S where `keep` is 1, -inf where it is 0 (the launchers pass masks of 0 and 1), by integer
+    operations on S's bits.  Written as a select on `keep != 0`, LLVM packed each thread's 64
+    predicates into bit masks and out again: the masked forward ran 1.15 ms against 0.66 ms with a
+    bias (H200, 2 x 16 heads x 4096^2, D = 128)."""
+    keep_all = -(keep.to(gl.int32))           # -1 where keep is 1, 0 where it is 0
+    bits = s.to(gl.int32, bitcast=True)
+    return ((bits & keep_all) | (~keep_all & -8388608)).to(gl.float32, bitcast=True)   # -8388608: -inf's bits
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW, cap_in,
              bias_buf, bias_in, mask_buf, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
@@ -161,7 +172,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
             ok = ok & (gl.expand_dims(q_ids, 1) == gl.expand_dims(k_ids, 0))
         s = gl.where(ok, s, float("-inf"))
     if HAS_MASK:
-        s = gl.where(mask_buf.load(s.type.layout) != 0, s, float("-inf"))
+        s = _masked(s, mask_buf.load(s.type.layout))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
