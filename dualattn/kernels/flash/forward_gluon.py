@@ -20,7 +20,9 @@ tile, or causal, a long and a short one) through descriptors over the whole arra
 (plan: heads side by side, batches end to end).  Rows past a sequence's end belong to the next
 batch (or TMA's zero padding): keys there are masked, query rows there are not stored.
 Causal is bottom-right (query row m sees key n iff n <= m + diag, diag = Sk - Sq + shift).
-Fully masked rows give O = 0 and lse = -inf.  What qualifies and the tiles: plan.gluon_forward.
+Fully masked rows give O = 0 and lse = -inf.  A bias and an attention mask are copied per warpgroup
+into shared memory a key tile ahead (_fetch_scores) and read where the softmax uses them.  What
+qualifies and the tiles: plan.gluon_forward.
 Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
 (compile_check) and GPU tests check its numbers.
 """
