@@ -58,6 +58,10 @@ CASES = [
                                                                           opts=dict(causal=True, bias=True))),
     ("gluon forward bias and mask, d64", True, dict(b=2, s=1000, sk=1104, h=2, hkv=2, d=64, opts=dict(
         bias=True, mask=True, logits_soft_cap=20.0))),
+    ("one-pass backward, bias without grad, ragged queries", True, dict(b=1, s=4000, sk=4096, h=2, hkv=1, d=128,
+                                                                      opts=dict(causal=True, bias=True))),
+    ("one-pass backward, bias and mask, d64", True, dict(b=1, s=4096, h=2, hkv=2, d=64, opts=dict(
+        bias=True, mask=True, sliding_window=(500, 0)))),
     ("portable documents (single-id runs skip the compare)", False, dict(b=1, s=2048, h=2, hkv=2, d=80, opts=dict(
         causal=True, segments=500))),
     ("portable narrow q/k tile, fp32 block-sparse", False, dict(b=2, s=100, sk=7, h=4, hkv=2, d=16, dv=168,

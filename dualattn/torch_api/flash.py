@@ -338,9 +338,10 @@ def _flash_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tenso
 
 
 def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-              resolved: Optional[_Resolved] = None, call: Optional[_CallPlan] = None):
+              resolved: Optional[_Resolved] = None, call: Optional[_CallPlan] = None, bias_grad: bool = True):
     """The backward launches; `resolved` and `call` as the forward of this call gave them (eager), or
-    both None (the custom op: then the call's plan is looked up by its key)."""
+    both None (the custom op: then the call's plan is looked up by its key).  bias_grad: a bias's
+    gradient is wanted (otherwise dbias comes back empty, and no S x S gradient is written)."""
     if resolved is None:
         key = _call_key(named)
         call = _CALL_PLANS.get(key) if key is not None else None
@@ -356,7 +357,7 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
     # What the backward plan depends on beyond the call's key (a config pinned around the backward
     # included); lse and dlse are contiguous, of the sizes' shapes.
     backward_key = (r.config, dlse is not None, _tensor_key(a["out"]), _tensor_key(a["dout"]),
-                    flash_plan.environment())
+                    flash_plan.environment(), bias_grad)
     plan = call.backwards.get(backward_key) if call is not None else None
     if plan is None:
         ws = _warp_specialize(a)
@@ -364,7 +365,8 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
                      _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),
                      config=r.config, diag_shift=named["diag_shift"], sparse=sparse,
                      tma=_tma(a), lse_grad=dlse is not None, warp_specialize=ws,
-                     num_sms=_num_sms(a), gluon=_gluon(a, ws), deterministic=named["deterministic"])
+                     num_sms=_num_sms(a), gluon=_gluon(a, ws), deterministic=named["deterministic"],
+                     bias_grad=bias_grad)
         if call is not None:
             call.backwards[backward_key] = plan
     pre = _launch.run(plan.preprocess, a)
@@ -372,7 +374,7 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
     grads = _launch.run(plan.dkdv, a)
     grads.update(_launch.run(plan.dq, {**a, **grads}))  # (the one-pass dq launch takes dkdv's dQ accumulator)
     dbias = grads.get("dbias")
-    if bias is not None:
+    if bias is not None and bias_grad:
         dims = flash_plan.dbias_sum_dims(shapes)
         dbias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).to(bias.dtype)
     else:
@@ -473,8 +475,9 @@ class _FlashAttention(torch.autograd.Function):
             override = executor.current_override("flash")
             if override is not None:  # tiles pinned around the backward (the autotuner times them so)
                 resolved = resolved._replace(config=override)
-            dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved, ctx.call)
-        return (dq, dk, dv, dbias if named["bias"] is not None else None,
+            dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved, ctx.call,
+                                                  bias_grad=ctx.needs_input_grad[3])
+        return (dq, dk, dv, dbias if named["bias"] is not None and ctx.needs_input_grad[3] else None,
                 dsinks if named["softmax_aux"] is not None else None, None, None)
 
 

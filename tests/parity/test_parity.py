@@ -274,7 +274,7 @@ def _gpu_both(tensors, causal, **options):
     leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
     to = dt.flash_attention(*leaves, causal=causal, **options)
     tg = torch.autograd.grad(to, leaves, tdo)
-    jax_options = {n: jax.dlpack.from_dlpack(v) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
+    jax_options = {n: jax.dlpack.from_dlpack(v.detach()) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
     jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton",
                                                                    **jax_options)),
                       *(jax.dlpack.from_dlpack(t) for t in (tq, tk, tv)))
@@ -368,19 +368,27 @@ def test_gpu_soft_cap_on_the_gluon_kernels_is_the_same_in_both(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, causal, with_mask", [(128, True, False), (64, False, True)])
-def test_gpu_bias_and_mask_on_the_gluon_forward_are_the_same_in_both(monkeypatch, d, causal, with_mask):
-    """A bias (and at D=64 an attention mask beside it) on the Gluon forward: the same bits in both
-    frameworks (the backward runs the portable kernels)."""
+@pytest.mark.parametrize("d, causal, with_bias, with_mask", [(128, True, True, False), (64, False, True, True),
+                                                             (128, False, False, True)])
+def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, causal, with_bias, with_mask):
+    """A bias and an attention mask on the Gluon forward, and a mask alone on the one-pass backward
+    too: the same bits in both frameworks.  (A bias's backward there runs the portable kernels in
+    both: JAX always asks for dbias, so the torch bias here needs its gradient too.)"""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels run on sm_90 only")
-    from plan_spy import spy_chains
+    from plan_spy import spy_chains, spy_kernels
     chains = spy_chains(monkeypatch)
-    tensors = _gpu_inputs(3, 2, 2048, 4, d)
+    backward_kernels = spy_kernels(monkeypatch)
+    tensors = _gpu_inputs(3, 2, 4096, 4, d)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    options = dict(bias=torch.randn(2, 4, 2048, 2048, device="cuda", generator=gen).to(torch.bfloat16))
+    options = {}
+    if with_bias:
+        options["bias"] = torch.randn(2, 4, 4096, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        options["bias"].requires_grad_()
     if with_mask:
-        options["attention_mask"] = torch.rand(2, 1, 2048, 2048, device="cuda", generator=gen) < 0.8
+        options["attention_mask"] = torch.rand(2, 1, 4096, 4096, device="cuda", generator=gen) < 0.8
     t, j = _gpu_both(tensors, causal, **options)
-    _assert_same_bits(t, j, one_pass=False)
+    one_pass = not with_bias
+    _assert_same_bits(t, j, one_pass=one_pass)
     assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains
+    assert set(backward_kernels) == {"flash_bwd_one_pass_kernel" if one_pass else "flash_bwd_dkdv_kernel"}

@@ -778,3 +778,35 @@ def test_varlen_bad_cu_seqlens_values(case):
     assert r.returncode == 0, (f"expected ValueError naming {word!r}; exit code {r.returncode} "
                                f"(2: did not raise, 3: message lacks the name, <0: crashed)\n"
                                f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+
+def test_bias_without_grad_writes_no_dbias(monkeypatch):
+    """A bias that needs no gradient: the dK/dV launch stores no dS and no S x S float32 dbias is
+    allocated and zero-filled (plan_backward's bias_grad); dQ, dK, dV are the same either way, and a
+    bias that needs its gradient still gets it."""
+    from dualattn.kernels.flash import plan as flash_plan
+    planned, real = [], flash_plan.plan_backward
+
+    def spy(*args, **kwargs):
+        planned.append(real(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(flash_plan, "plan_backward", spy)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 64, 2, 32, generator=gen) for _ in range(4))
+    bias = torch.randn(1, 2, 64, 64, generator=gen)
+    grads = {}
+    for wants_dbias in (False, True):
+        b = bias.clone().requires_grad_(wants_dbias)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*leaves, bias=b, causal=True)
+        grads[wants_dbias] = torch.autograd.grad(out, leaves + ([b] if wants_dbias else []), dout)
+        dkdv = planned[-1].dkdv
+        assert dkdv.constexpr_dict["STORE_DBIAS"] == wants_dbias
+        assert next(o for o in dkdv.outputs if o.name == "dbias").placeholder == (not wants_dbias)
+    for a, b in zip(grads[False], grads[True][:3]):
+        assert torch.equal(a, b)
+    ref_bias = bias.double().requires_grad_()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves, bias=ref_bias, causal=True)
+    assert_close_rel(grads[True][3], torch.autograd.grad(ref_out, ref_bias, dout.double())[0], 1e-4, "dbias")

@@ -54,11 +54,11 @@ def gluon_problem(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=128, dtype="bfloat16", s
     return shapes, options, {**contiguous, **(strides or {})}, flash_plan.default_config(shapes, interpret=False)
 
 
-def _plan(gluon=True, q_strides=None, num_sms=132, **kwargs):
+def _plan(gluon=True, q_strides=None, num_sms=132, bias_grad=True, **kwargs):
     shapes, options, strides, config = gluon_problem(
         strides=None if q_strides is None else {"query": q_strides}, **kwargs)
     return flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, gluon=gluon,
-                                    num_sms=num_sms)
+                                    num_sms=num_sms, bias_grad=bias_grad)
 
 
 def test_plan_takes_the_one_pass_backward_where_it_applies():
@@ -85,7 +85,8 @@ def test_plan_takes_the_one_pass_backward_where_it_applies():
     ("fp32", dict(dtype="float32")),
     ("window with a right side", dict(sliding_window=(256, 256))),
     ("left window, not causal", dict(sliding_window=(256, None))),
-    ("bias", dict(bias=True)),
+    ("a bias that needs its gradient (dS goes out as dbias)", dict(bias=True)),
+    ("a mask with Sk not a multiple of 8 (16-byte tile copies)", dict(mask=True, sk=1020)),
     ("lse rows not 16-byte aligned", dict(sq=1022, sk=1022)),
     ("GQA with query heads not side by side", dict(hq=8, hkv=2, q_strides=row_major_strides((2, 8, 1024, 128))[:1]
                                                    + (128, 1024 * 128, 1))),
@@ -146,6 +147,42 @@ def test_causal_persistent_work_items_are_pairs_of_key_tiles():
     assert plan.dkdv.constexpr_dict["PERSISTENT"]
     assert dict(plan.dkdv.scalars)["num_work"] == key_tiles // 2
     assert plan.dkdv.grid == (min(132, key_tiles // 2), 1, 1)
+
+
+@pytest.mark.parametrize("d, extra", [(128, dict(bias=True)), (128, dict(mask=True)),
+                                      (64, dict(bias=True, mask=True, causal=True, hq=8, hkv=2))])
+def test_one_pass_takes_a_bias_without_grad_and_a_mask(d, extra):
+    """A bias with no dbias wanted and an attention mask run on the one-pass kernel: their tiles are
+    copied per query tile beside S^T (HAS_BIAS, HAS_MASK, the strides of the (batch, head, row)), and
+    the variant compiles for sm_90."""
+    plan = _plan(d=d, bias_grad=False, **extra)
+    launch = plan.dkdv
+    assert launch.kernel == ONE_PASS
+    assert (launch.constexpr_dict["HAS_BIAS"], launch.constexpr_dict["HAS_MASK"]) == (
+        extra.get("bias", False), extra.get("mask", False))
+    assert {"bias", "attention_mask"} <= set(launch.inputs) and dict(launch.scalars)["bias_stride_s"] == (
+        1024 if extra.get("bias") else 0)
+    dtypes = dict.fromkeys(("query", "key", "value", "dout"), "bfloat16")
+    dtypes.update(lse="float32", delta="float32", bias="bfloat16", attention_mask="int8")
+    compiled = compile_check.compile_launch(launch, dtypes, arch=90)
+    assert "cp.async" in compiled.asm["ptx"] and compiled.asm["cubin"][:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("d, extra, one_pass", [
+    (128, dict(bias="bfloat16"), True), (128, dict(mask=True), True), (128, dict(bias="float32"), False),
+    (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True)])
+def test_fit_keeps_the_one_pass_backward_where_the_score_tiles_fit(d, extra, one_pass):
+    """The bias and mask tiles take shared memory beside K, V, Q, dO, dS and dQ: at D=128 one 16-bit
+    tile fits, a float32 one or both do not (fit.backward then plans the two-pass kernels)."""
+    from dualattn.kernels.flash import fit
+    bias_dtype = extra.get("bias")
+    shapes, options, strides, config = gluon_problem(d=d, causal=True, sq=1024, sk=1024, bias=bias_dtype is not None,
+                                                     mask=extra.get("mask", False))
+    dtypes = {**dict.fromkeys(("query", "key", "value", "dout"), "bfloat16"), "lse": "float32",
+              "attention_mask": "int8", **({"bias": bias_dtype} if bias_dtype else {})}
+    plan = fit.backward(shapes, options, strides, config=config, arch=90, max_shared=fit.MAX_SHARED_BYTES[90],
+                        dtypes=dtypes, warp_specialize=True, gluon=True, num_sms=132, bias_grad=False)
+    assert (plan.dkdv.kernel == ONE_PASS) == one_pass, plan.dkdv.kernel
 
 
 @pytest.mark.parametrize("d, causal, hq, hkv, dtype, sq, window", [
@@ -344,6 +381,58 @@ def check_gpu_case(monkeypatch, case: dict, seed, env: dict):
             set_switch(monkeypatch, name, c.pop(key))
     _check_against_reference(c.pop("b"), c.pop("sq"), c.pop("sk"), c.pop("hq"), c.pop("hkv"), c.pop("d"),
                              c.pop("opts"), device="cuda", dtype=dtype, seed=seed, tol=1e-2, **c)
+
+
+# (b, sq, sk, hq, hkv, d, options, bias (batch or 1, heads or 1) or None, mask shape or None)
+SCORED_CASES = {
+    "d128-causal-bias-gqa": (2, 1024, 1024, 4, 2, 128, dict(causal=True), (2, 4), None),
+    "d128-mask-ragged": (2, 1000, 1104, 4, 4, 128, {}, None, (2, 1)),
+    "d64-bias-mask-softcap-sinks": (1, 1024, 1024, 4, 2, 64, dict(causal=True, logits_soft_cap=5.0), (1, 1), (1, 4)),
+    "d64-window-mask-documents": (2, 1024, 1024, 4, 4, 64, dict(sliding_window=(200, 0)), None, (1, 4)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(SCORED_CASES))
+def test_gpu_one_pass_bias_and_mask(monkeypatch, seed, case):
+    """A bias that needs no gradient and an attention mask on the one-pass backward: dQ, dK, dV against
+    the float64 reference, a row that sees nothing (zero gradients, no NaN) and a band of keys that
+    nobody sees."""
+    _require_sm90()
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")
+    b, sq, sk, hq, hkv, d, opts, bias_shape, mask_shape = SCORED_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+    extra = dict(opts)
+    if "logits_soft_cap" in opts:
+        extra["softmax_aux"] = torch.randn(hq, device="cuda", generator=gen)
+    if case.endswith("documents"):
+        ids = (torch.arange(sq, device="cuda") * 3 // sq)[None].expand(b, sq).contiguous()
+        extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+    if bias_shape:
+        extra["bias"] = (2.0 * torch.randn(*bias_shape, sq, sk, device="cuda", generator=gen)).to(torch.bfloat16)
+    if mask_shape:
+        mask = torch.rand(*mask_shape, sq, sk, device="cuda", generator=gen) < 0.7
+        mask[0, 0, 5] = False
+        mask[-1, -1, :, 64:200] = False
+        extra["attention_mask"] = mask
+    kernels = spy_kernels(monkeypatch)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, **extra)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert kernels == [ONE_PASS], kernels
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves, **extra)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert not torch.isnan(g).any(), name
+        assert_close_rel(g, r, 1e-2, name)
+    if mask_shape:   # the row that sees nothing: no gradient reaches its query
+        assert (grads[0][0, 5, 0] == 0).all()
 
 
 @pytest.mark.gpu

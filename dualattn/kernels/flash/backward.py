@@ -159,7 +159,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
                 SPARSE_CONTIGUOUS: tl.constexpr, HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr):
+                WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr, STORE_DBIAS: tl.constexpr):
     # Key-major tiles ([BLOCK_N, BLOCK_M]): P^T and dS^T come out of the dots in the layout
     # the dV and dK products consume, with no register transposes.  [lo, hi) are query
     # positions (dense) or indices into BLOCK_LIST, the active query blocks (block-sparse).
@@ -190,7 +190,7 @@ def _dkdv_inner(dk, dv, k, v, k_seg, k_pos, offs_n, lo, hi, full_lo, full_hi, BL
             ((start_m < full_lo) | (start_m >= full_hi)) if EDGES_IN_LOOP else False, EDGES_IN_LOOP, QSEG_ROW)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dz_t = p_t * (dp_t - delta[None, :]) * cap_grad  # [BLOCK_N, BLOCK_M]
-        if HAS_BIAS:
+        if STORE_DBIAS:
             tl.store(DBIAS_ROW + offs_m[None, :].to(tl.int64) * dbias_stride_s + offs_n[:, None], dz_t,
                      mask=in_rows[None, :] & (offs_n[:, None] < seqlen_k))
         dk = tl.dot(dz_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
@@ -221,8 +221,9 @@ def flash_bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, SINKS_PER_HEAD: tl.constexpr, SPARSE_CONTIGUOUS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EDGES_IN_LOOP: tl.constexpr,
-    PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr,
+    PERSISTENT: tl.constexpr, SEGMENT_SKIP: tl.constexpr, STORE_DBIAS: tl.constexpr,
 ):
+    # STORE_DBIAS: dS goes out as dbias (a bias that needs its gradient: plan_backward's bias_grad).
     # EDGES_IN_LOOP's branch masks positions, and segment ids where the interior is one document
     # (SEGMENT_SKIP), on dense bands (plan.edges_in_loop).
     tl.static_assert(not (EDGES_IN_LOOP and (HAS_MASK or (HAS_SEGMENTS and not SEGMENT_SKIP) or HAS_POSITIONS
@@ -345,7 +346,7 @@ def flash_bwd_dkdv_kernel(
                             # (rules.segment_range; EDGES_IN_LOOP: its edge tiles compare ids)
                             HAS_SEGMENTS and (EDGES_IN_LOOP or not (SEGMENT_SKIP and segment == 1)), HAS_DROPOUT,
                             DOT_PRECISION, BLOCK_SPARSE, SPARSE_CONTIGUOUS, HAS_POSITIONS, TMA, WARP_SPECIALIZE,
-                            EDGES_IN_LOOP)
+                            EDGES_IN_LOOP, STORE_DBIAS)
             dk = dk * sm_scale
             dk_row = b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv * stride_dkh
             dv_row = b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv * stride_dvh

@@ -44,6 +44,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton._C.libtriton import ir
@@ -236,15 +237,55 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
 
 
 @gluon.jit
+def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, mask_stride_s, m0, n0, seqlen_q,
+                       seqlen_k, BM: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
+    """Start copying the [BM, BN] tiles at (m0, n0) of the bias and the mask (rows = queries) into
+    their buffers, one commit group (forward_gluon._fetch_scores' rules: 16-byte pieces, zeros outside)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    ok = gl.max_constancy(gl.expand_dims(rows < seqlen_q - m0, 1) & gl.expand_dims(keys < seqlen_k, 0), [1, 8])
+    if HAS_BIAS:
+        base = BIAS_HEAD + gl.multiple_of(m0.to(gl.int64) * bias_stride_s, [8])
+        offsets = gl.expand_dims(gl.multiple_of(rows * bias_stride_s, [8]), 1) + gl.expand_dims(keys, 0)
+        async_copy.async_copy_global_to_shared(bias_buf, base + offsets, mask=ok)
+    if HAS_MASK:
+        base = MASK_HEAD + gl.multiple_of(m0.to(gl.int64) * mask_stride_s, [8])
+        offsets = gl.expand_dims(gl.multiple_of(rows * mask_stride_s, [8]), 1) + gl.expand_dims(keys, 0)
+        async_copy.async_copy_global_to_shared(mask_buf, base + offsets, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scores_landed():
+    """The tiles _fetch_next_scores copied are there for every warp of the partition."""
+    async_copy.wait_group(0)
+    _partition_barrier()
+
+
+@gluon.jit
+def _zero_masked(pt, keep):
+    """P^T where `keep` is 1, 0 where it is 0, on P^T's bits (forward_gluon._masked's reason)."""
+    bits = pt.to(gl.int32, bitcast=True) & -(keep.to(gl.int32))
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
           q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, seqlen_k,
-          k_ids, QSEG_ROW, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          k_ids, QSEG_ROW, cap_in, BIAS_HEAD, bias_stride_s, bias_in, bias_buf, MASK_HEAD, mask_stride_s, mask_buf,
+          HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr, DS_BUFS: gl.constexpr,
-          WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr):
+          WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
+          HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal
     or, WINDOW, the window's far edge, or, SEGMENTS, lies outside the key tile's one-id run (then
     the keys' ids k_ids and the queries' ids, from QSEG_ROW, are compared).  SOFTCAP: the scores are
-    capped (cap_in = scale / cap; qk_scale is then cap * log2 e), as in the Gluon forward."""
+    capped (cap_in = scale / cap; qk_scale is then cap * log2 e), as in the Gluon forward.
+    HAS_BIAS, HAS_MASK: the (query head's) bias and attention mask tiles, copied into bias_buf and
+    mask_buf while S^T is computed, join as in the Gluon forward (forward_gluon._fetch_scores): the
+    bias in S's units (bias_in = 1 / scale) before the cap, the mask (0 / 1) zeroing P^T."""
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
@@ -256,6 +297,9 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
     q_buf = q_bufs.index(s)
     do_buf = do_bufs.index(s)
 
+    if HAS_BIAS or HAS_MASK:   # (every warp read the previous tile's before that tile's barrier)
+        _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, mask_stride_s, m0, n0,
+                           seqlen_q, seqlen_k, BM, BN, NUM_WARPS, HAS_BIAS, HAS_MASK)
     mbarrier.wait(q_ready.index(s), ph)
     st = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(s), ph)
@@ -263,6 +307,10 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
     lse = lse_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout) * 1.4426950408889634
     # The previous tile's dK GEMM is still in flight here; this wait retires it too (in order).
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    if HAS_BIAS or HAS_MASK:
+        _scores_landed()
+    if HAS_BIAS:
+        st = st + bias_buf.permute((1, 0)).load(s_layout).to(gl.float32) * bias_in
     if SOFTCAP != 0:
         tt = capped_tanh(st * cap_in, SOFTCAP)
         pt = gl.exp2(tt * qk_scale - gl.expand_dims(lse, 0))
@@ -282,6 +330,8 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
             q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
             ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
         pt = gl.where(ok, pt, 0.0)
+    if HAS_MASK:   # (lse may be -inf in a row the mask hides whole: P^T is inf there, before this)
+        pt = _zero_masked(pt, mask_buf.permute((1, 0)).load(s_layout))
     pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
     if SOFTCAP != 0:   # dS = P (dP - delta) (1 - T^2): T's registers are free once this is folded in
@@ -317,10 +367,12 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
                        diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb,
-                       seg_stride_kb, cap_in, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_buf, MASK, mask_strides, mask_buf,
+                       HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
                        CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
-                       SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr):
+                       SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -350,6 +402,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             plain_lo = gl.where(partial, 0, plain_lo)
             plain_hi = gl.where(partial, 0, plain_hi)
         for g in range(GROUP):
+            head = (kv_head * GROUP + g).to(gl.int64)
+            bias_head = BIAS + gl.multiple_of(batch.to(gl.int64) * bias_strides[0] + head * bias_strides[1], [8])
+            mask_head = MASK + gl.multiple_of(batch.to(gl.int64) * mask_strides[0] + head * mask_strides[1], [8])
             # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
             # unmasked ones, masked ones (the window's far edge; segment ids; a partial key tile's): _work_item's
             # bounds
@@ -358,23 +413,26 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
-                                   seqlen_k, k_ids, qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
-                                   True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
+                                   seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
+                                   mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
+                                   NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
                     r += 1
             for j in range(plain_lo, plain_hi):
                 dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
                                do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
                                dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row,
-                               cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL,
-                               SEGMENTS, SOFTCAP)
+                               cap_in, bias_head, bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2],
+                               mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL,
+                               SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
                 r += 1
             if WINDOW or SEGMENTS or not EVEN_K:
                 for j in range(plain_hi, n_local):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
-                                   seqlen_k, k_ids, qseg_row, cap_in, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
-                                   True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP)
+                                   seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
+                                   mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
+                                   NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
                     r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
@@ -394,16 +452,17 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
 
 @gluon.jit(do_not_specialize=ONE_PASS_INTS)
 def flash_bwd_one_pass_kernel(
-    Q, K, V, DO, LSE, DELTA, QSEG, KSEG, SEGMENT_RANGES,
+    Q, K, V, DO, LSE, DELTA, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
     batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
-    softcap, DK, DV, DQ_ACCUM, DESC_SCRATCH,
+    softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
     PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
-    SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
+    SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -496,14 +555,26 @@ def flash_bwd_one_pass_kernel(
     cap_in = sm_scale / softcap
     if SOFTCAP != 0:
         qk_scale = softcap * 1.4426950408889634
+    # A bias and an attention mask (with no dbias to write: plan.one_pass_backward): a tile of each per
+    # query tile, rows swizzled in 16-byte units (a token buffer where absent).
+    bias_in = 1.0 / sm_scale
+    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_s)
+    mask_strides = (mask_stride_b, mask_stride_h, mask_stride_s)
+    bias_ty: gl.constexpr = BIAS.dtype.element_ty
+    mask_ty: gl.constexpr = MASK.dtype.element_ty
+    bias_buf = gl.allocate_shared_memory(bias_ty, [BLOCK_M, BLOCK_N] if HAS_BIAS else [8, 8], gl.SwizzledSharedLayout(
+        128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
+    mask_buf = gl.allocate_shared_memory(mask_ty, [BLOCK_M, BLOCK_N] if HAS_MASK else [8, 8], gl.SwizzledSharedLayout(
+        128 // mask_ty.primitive_bitwidth, 1, 8, [1, 0]))
     gl.warp_specialize([
         (_compute_partition, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready,
                               kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
                               seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
-                              SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, cap_in, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in,
+                              bias_buf, MASK, mask_strides, mask_buf, HEAD_DIM, BLOCK_M, BLOCK_N,
                               STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS,
-                              SOFTCAP, EVEN_K)),
+                              SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
                            w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM,

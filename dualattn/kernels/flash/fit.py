@@ -8,9 +8,9 @@ Triton then raises OutOfResources at the first launch.  So the launchers plan th
 `backward` here: each portable launch is compiled for the device (triton.compile, what the first
 launch would compile anyway; cached per variant in-process) and replaced by a smaller variant while it
 does not fit.  The warp-specialised and Gluon kernels run fixed tiles that are known to fit, and are
-not recompiled here, except the Gluon forward with a bias or an attention mask: it holds a tile of
-each per compute warpgroup, and where those do not fit (a float32 bias, or both, at D=128) the
-forward is planned again without Gluon.
+not recompiled here, except the Gluon forward and the one-pass backward with a bias or an attention
+mask: they hold a tile of each, and where those do not fit (a float32 bias, or both, at D=128) the
+launch is planned again without Gluon.
 
 Registers need no such check: Triton declares each kernel's thread count to ptxas (.maxntid, at most
 8 warps in these plans), and ptxas keeps a thread within 255 registers and the block within the SM's
@@ -33,7 +33,7 @@ from .plan import FlashConfig, TileConfig
 # for these without a GPU; launchers on a GPU pass the device's own number).
 MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 PORTABLE_KERNELS = ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")
-GLUON_SCORED_KERNEL = "flash_fwd_gluon_kernel"
+GLUON_SCORED_KERNELS = ("flash_fwd_gluon_kernel", "flash_bwd_one_pass_kernel")
 MIN_BLOCK = 16
 
 
@@ -50,7 +50,7 @@ def shared_bytes(launch: Launch, dtypes: Dict[str, str], arch: int, specialize: 
 
 def _checked(launch: Launch) -> bool:
     const = launch.constexpr_dict
-    if launch.kernel == GLUON_SCORED_KERNEL:
+    if launch.kernel in GLUON_SCORED_KERNELS:
         return bool(const["HAS_BIAS"] or const["HAS_MASK"])
     return launch.kernel in PORTABLE_KERNELS and not const.get("WARP_SPECIALIZE")
 
@@ -92,7 +92,7 @@ def forward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sha
                                          **plan_kwargs)
         if fits(launch, dtypes, arch, max_shared, specialize):
             return launch
-        if launch.chain[-1].kernel == GLUON_SCORED_KERNEL:   # its bias and mask tiles do not fit: not Gluon
+        if launch.chain[-1].kernel in GLUON_SCORED_KERNELS:   # its bias and mask tiles do not fit: not Gluon
             plan_kwargs = {**plan_kwargs, "gluon": False}
             launch = flash_plan.plan_forward(shapes, options, strides, config=dataclasses.replace(config, fwd=tile),
                                              **plan_kwargs)
@@ -115,6 +115,9 @@ def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sh
                                         config=dataclasses.replace(config, bwd_dkdv=dkdv, bwd_dq=dq), **plan_kwargs)
         launched = {**dtypes, "delta": "float32", "segment_ranges": "int32"}
         dkdv_fits = fits(plan.dkdv, launched, arch, max_shared, specialize)
+        if not dkdv_fits and plan.dkdv.chain[-1].kernel in GLUON_SCORED_KERNELS:
+            plan_kwargs = {**plan_kwargs, "gluon": False}   # the one-pass kernel's bias / mask tiles do not fit
+            continue
         dq_fits = fits(plan.dq, launched, arch, max_shared, specialize)
         if dkdv_fits and dq_fits:
             return plan

@@ -260,7 +260,8 @@ ONE_PASS_MAX_KEYS = 32768
 
 
 def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides,
-                      constexprs, flag: Optional[str] = None) -> Optional[Tuple[int, int, int, int, int]]:
+                      constexprs, flag: Optional[str] = None,
+                      bias_grad: bool = True) -> Optional[Tuple[int, int, int, int, int]]:
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the Gluon kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
@@ -270,8 +271,10 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
     the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS <= Sk <=
-    ONE_PASS_MAX_KEYS.  flag: DUALATTN_ONE_PASS, "0" / "1" turn it off / on whatever the keys (A/B
-    runs, tests)."""
+    ONE_PASS_MAX_KEYS.  A bias or an attention mask qualifies as in the Gluon forward
+    (score_tiles_copyable; fit.backward checks the shared memory), a bias only where no dbias is
+    wanted (bias_grad off: dS is not written out).  flag: DUALATTN_ONE_PASS, "0" / "1" turn it off /
+    on whatever the keys (A/B runs, tests)."""
     tile = ONE_PASS_TILES.get(shapes.head_dim)
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
         return None
@@ -279,7 +282,10 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not _warp_specializable(shapes, sparse, _without_segments(constexprs)):
+    if not _warp_specializable(shapes, sparse, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
+        return None
+    if (shapes.has_bias and bias_grad) or not all(score_tiles_copyable(shapes, strides, name)
+                                                  for name in ("bias", "attention_mask")):
         return None
     if shapes.group_size > 1 and any(strides[n][2] != shapes.head_dim for n in ("query", "out")):
         return None

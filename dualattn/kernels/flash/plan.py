@@ -453,7 +453,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
                   gluon: bool = False, deterministic: bool = False, hardware_tanh: bool = False,
-                  env: switches.Switches = switches.Switches()) -> BackwardPlan:
+                  bias_grad: bool = True, env: switches.Switches = switches.Switches()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
@@ -466,6 +466,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     deterministic: no one-pass backward (its dQ tiles meet in fp32 atomics, in varying order); the
     two-pass kernels write every gradient tile from one program, so reruns are bitwise equal.
     hardware_tanh: as plan_forward's.
+    bias_grad: the caller wants dbias (a bias that needs its gradient).  Without it no (B, Hq, Sq, Sk)
+    float32 dbias is zero-filled and written: 4 bytes per score, twice.
     """
     config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
@@ -504,14 +506,15 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     k_shape = (shapes.total_k, shapes.heads_kv, shapes.head_dim) if varlen else \
         (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
     v_shape = k_shape[:-1] + (shapes.head_dim_v,)
-    one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs,
-                                 env.get(ONE_PASS_ENV)) if gluon and not deterministic else None
+    one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs, env.get(ONE_PASS_ENV),
+                                 bias_grad) if gluon and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
                                       one_pass, num_sms, env.get(PERSISTENT_ENV), const["SOFTCAP"])
         return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
-    dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if shapes.has_bias else (1,)
-    dbias_strides = _contiguous(dbias_shape)[:3] if shapes.has_bias else (0, 0, 0)
+    store_dbias = shapes.has_bias and bias_grad
+    dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if store_dbias else (1,)
+    dbias_strides = _contiguous(dbias_shape)[:3] if store_dbias else (0, 0, 0)
 
     use_tma = _use_tma(tma, shapes, constexprs)
     # Both specialised kernels own 128-row tiles (WS_DKDV_TILES' keys, WS_DQ_TILES' queries).
@@ -548,11 +551,11 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         # (varlen: rows in no sequence get zero gradients, as _forward_outputs' rows get zero output)
         outputs=(Output("dkey", k_shape, "like:key", zeroed=varlen),
                  Output("dvalue", v_shape, "like:value", zeroed=varlen),
-                 Output("dbias", dbias_shape, "float32", zeroed=shapes.has_bias, placeholder=not shapes.has_bias),
+                 Output("dbias", dbias_shape, "float32", zeroed=store_dbias, placeholder=not store_dbias),
                  desc_scratch(grid, use_tma or bool(ws_dkdv))),
         constexprs=constexprs + (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("TMA", use_tma or bool(ws_dkdv)),
                                  ("WARP_SPECIALIZE", bool(ws_dkdv)), ("EDGES_IN_LOOP", not ws_dkdv and edges),
-                                 ("PERSISTENT", dkdv_persistent), ("SEGMENT_SKIP", skip)),
+                                 ("PERSISTENT", dkdv_persistent), ("SEGMENT_SKIP", skip), ("STORE_DBIAS", store_dbias)),
         num_warps=t.num_warps, num_stages=t.num_stages, resume=SEGMENT_RESUME if skip else ())
     if skip:
         dkdv = segment_ranges_first(dkdv, shapes, scalar, t.block_n, t.block_m, False)
@@ -596,7 +599,8 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
              (("dk", k_shape), ("dv", v_shape), ("dq", q_shape))}
     one_pass = Launch(
         module="flash.backward_gluon", kernel="flash_bwd_one_pass_kernel", grid=grid,
-        inputs=("query", "key", "value", "dout", "lse", "delta", "q_segment_ids", "kv_segment_ids", "segment_ranges"),
+        inputs=("query", "key", "value", "dout", "lse", "delta", "q_segment_ids", "kv_segment_ids", "segment_ranges",
+                "bias", "attention_mask"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh"))
         + tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -605,14 +609,17 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
            ("num_heads_kv", shapes.heads_kv), ("diag", shapes.seqlen_k - shapes.seqlen_q + int(diag_shift)),
            ("window_left", options.window_left or 0), ("num_work", num_work),
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
-           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"])),
+           ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"]))
+        + tuple((k, scalar[k]) for k in ("bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
+                                         "mask_stride_h", "mask_stride_s")),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
                     ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments),
-                    ("SOFTCAP", softcap), ("EVEN_K", shapes.seqlen_k % block_n == 0)),
+                    ("SOFTCAP", softcap), ("EVEN_K", shapes.seqlen_k % block_n == 0), ("HAS_BIAS", shapes.has_bias),
+                    ("HAS_MASK", shapes.has_mask)),
         num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
     if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
         one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)
