@@ -24,7 +24,7 @@ from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
 from dualattn.validation import FlashShapes  # noqa: E402
-from plan_spy import spy_kernels  # noqa: E402
+from plan_spy import spy_chains, spy_kernels  # noqa: E402
 
 ONE_PASS = "flash_bwd_one_pass_kernel"
 
@@ -420,11 +420,11 @@ def test_gpu_one_pass_bias_and_mask(monkeypatch, seed, case):
         mask[0, 0, 5] = False
         mask[-1, -1, :, 64:200] = False
         extra["attention_mask"] = mask
-    kernels = spy_kernels(monkeypatch)
+    chains = spy_chains(monkeypatch, "plan_backward")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_attention(*leaves, **extra)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert kernels == [ONE_PASS], kernels
+    assert [c[-1] for c in chains] == [ONE_PASS], chains   # (segment ids: their ranges' launch first)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = reference_attention(*ref_leaves, **extra)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
