@@ -335,3 +335,20 @@ def test_gpu_gluon_forward_bias_and_mask(monkeypatch, seed, case):
         assert (out[0, 5, 0] == 0).all() and ("softmax_aux" in extra or lse[0, 0, 5] == float("-inf"))
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
         assert_close_rel(g, r, 2e-2 if name == "dbias" else 1e-2, name)
+
+
+def test_fit_compiles_the_gluon_forward_once_for_every_length(monkeypatch):
+    """The shared-memory check of a Gluon launch with a bias does not depend on the sequence lengths:
+    one compile serves them all (each takes seconds of host time)."""
+    from dualattn.kernels.flash import fit
+    compiles = []
+    real = fit.compile_check.compile_launch
+    monkeypatch.setattr(fit.compile_check, "compile_launch", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    fit._shared_bytes.cache_clear()
+    dtypes = {**dict.fromkeys(("query", "key", "value"), "bfloat16"), "bias": "bfloat16"}
+    for seqlen in (1024, 2048, 3072):
+        shapes, options, strides, config = gluon_problem(d=64, causal=True, sq=seqlen, sk=seqlen, bias=True)
+        launch = fit.forward(shapes, options, strides, config=config, arch=90, max_shared=fit.MAX_SHARED_BYTES[90],
+                             dtypes=dtypes, warp_specialize=True, gluon=True, num_sms=132)
+        assert launch.kernel == GLUON_FWD
+    assert len(compiles) == 1

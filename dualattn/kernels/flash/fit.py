@@ -45,7 +45,19 @@ def _shared_bytes(launch: Launch, dtypes: tuple, arch: int, specialize: str) -> 
 
 def shared_bytes(launch: Launch, dtypes: Dict[str, str], arch: int, specialize: str = "torch") -> int:
     """Shared memory of `launch`'s kernel compiled for sm_<arch> (dtypes: the inputs' dtype names)."""
+    if launch.kernel in GLUON_SCORED_KERNELS:
+        launch = _any_size(launch)
     return _shared_bytes(launch, tuple(sorted(dtypes.items())), int(arch), specialize)
+
+
+def _any_size(launch: Launch) -> Launch:
+    """The Gluon launch as one for any problem size: the grid and integer scalars (sizes, strides;
+    never specialised, but jax-triton's 1s become constexprs) do not change its shared memory, so one
+    compile serves every sequence length (a compile takes seconds of host time)."""
+    def canonical(value):
+        return (1 if value == 1 else 16) if isinstance(value, int) and not isinstance(value, bool) else value
+    return dataclasses.replace(launch, grid=(1, 1, 1), scalars=tuple((n, canonical(v)) for n, v in launch.scalars),
+                               outputs=tuple(dataclasses.replace(o, shape=(1,)) for o in launch.outputs), then=None)
 
 
 def _checked(launch: Launch) -> bool:
