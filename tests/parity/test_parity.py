@@ -274,7 +274,8 @@ def _gpu_both(tensors, causal, **options):
     leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
     to = dt.flash_attention(*leaves, causal=causal, **options)
     tg = torch.autograd.grad(to, leaves, tdo)
-    jax_options = {n: jax.dlpack.from_dlpack(v.detach()) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
+    jax_options = {n: jax.dlpack.from_dlpack(v.detach()) if isinstance(v, torch.Tensor) else v
+                   for n, v in options.items()}
     jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.flash_attention(a, b_, c, causal=causal, backend="triton",
                                                                    **jax_options)),
                       *(jax.dlpack.from_dlpack(t) for t in (tq, tk, tv)))

@@ -140,7 +140,8 @@ def _masked(s, keep):
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW, cap_in,
-             bias_buf, bias_in, mask_buf, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr, EVEN_K: gl.constexpr,
+             bias_buf, bias_in, mask_buf, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr,
+             EVEN_K: gl.constexpr,
              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
     Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
@@ -371,8 +372,9 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                 bias_strides[2], bias_in, bias_bufs.index(HALF),
                                                 MASK + gl.multiple_of(b64 * mask_strides[0] + h64 * mask_strides[1],
                                                                       [8]),
-                                                mask_strides[2], mask_bufs.index(HALF), HALF, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW,
-                                                EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
+                                                mask_strides[2], mask_bufs.index(HALF), HALF, HEAD_DIM, BM, BN,
+                                                STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS,
+                                                HAS_MASK)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -475,15 +477,15 @@ def flash_fwd_gluon_kernel(
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
-                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides,
-                        mask_bufs, 0,
+                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
+                        mask_strides, mask_bufs, 0,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
                         SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
-                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides,
-                        mask_bufs, 1,
+                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
+                        mask_strides, mask_bufs, 1,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
                         SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
