@@ -18,7 +18,8 @@ from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan, rules  # noqa: E402
 from plan_spy import spy_chains, spy_kernels  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
-from test_one_pass import WINDOW_CASES, check_gpu_case, gluon_problem  # noqa: E402  (tests/torch is on sys.path)
+from test_one_pass import (WINDOW_CASES, check_gpu_case, gluon_problem,  # noqa: E402  (tests/torch is on sys.path)
+                           scored_inputs)
 
 GLUON_FWD = "flash_fwd_gluon_kernel"
 
@@ -295,26 +296,11 @@ def test_gpu_gluon_forward_bias_and_mask(monkeypatch, seed, case):
     from reference import assert_close_rel, reference_attention
     b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape = SCORED_CASES[case]
     dtype = bias_spec[1] if bias_spec and bias_spec[1] == torch.float16 else torch.bfloat16
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
-    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    dout = torch.randn_like(q)
-    extra = dict(opts)
-    if "logits_soft_cap" in opts:
-        extra["softmax_aux"] = torch.randn(hq, device="cuda", generator=gen)
-    if case.endswith("documents"):
-        ids = (torch.arange(sq, device="cuda") * 3 // sq)[None].expand(b, sq).contiguous()
-        extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+    q, k, v, dout, extra = scored_inputs(b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape, seed,
+                                         documents=case.endswith("documents"), dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     if bias_spec:
-        (bb, bh), bdtype = bias_spec
-        bias = (2.0 * torch.randn(bb, bh, sq, sk, device="cuda", generator=gen)).to(bdtype)
-        extra["bias"] = bias.clone().requires_grad_()
-    if mask_shape:
-        mask = torch.rand(*mask_shape, sq, sk, device="cuda", generator=gen) < 0.7
-        mask[0, 0, 5] = False              # a row that sees nothing
-        mask[-1, -1, :, 64:200] = False    # a band of keys nobody sees
-        extra["attention_mask"] = mask
+        extra["bias"].requires_grad_()
     chains = spy_chains(monkeypatch)
     out, lse = flash_attention(*leaves, return_lse=True, **extra)
     assert [c[-1] for c in chains] == [GLUON_FWD], chains

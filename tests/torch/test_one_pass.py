@@ -383,6 +383,34 @@ def check_gpu_case(monkeypatch, case: dict, seed, env: dict):
                              c.pop("opts"), device="cuda", dtype=dtype, seed=seed, tol=1e-2, **c)
 
 
+def scored_inputs(b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape, seed, documents=False, dtype=None,
+                  device="cuda"):
+    """(q, k, v, dout, flash_attention options) of a bias / mask case (here and test_gluon_forward.py):
+    bias_spec is ((batch or 1, heads or 1), dtype) or None; a mask hides one row whole (batch 0,
+    head 0, query 5) and a band of keys (64-199) from the last batch and head; a soft cap brings
+    sinks, `documents` three segments."""
+    dtype = dtype or torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(b, sk, hkv, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+    extra = dict(opts)
+    if "logits_soft_cap" in opts:
+        extra["softmax_aux"] = torch.randn(hq, device=device, generator=gen)
+    if documents:
+        ids = (torch.arange(sq, device=device) * 3 // sq)[None].expand(b, sq).contiguous()
+        extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+    if bias_spec:
+        (bb, bh), bias_dtype = bias_spec
+        extra["bias"] = (2.0 * torch.randn(bb, bh, sq, sk, device=device, generator=gen)).to(bias_dtype)
+    if mask_shape:
+        mask = torch.rand(*mask_shape, sq, sk, device=device, generator=gen) < 0.7
+        mask[0, 0, 5] = False              # a row that sees nothing
+        mask[-1, -1, :, 64:200] = False    # a band of keys nobody sees
+        extra["attention_mask"] = mask
+    return q, k, v, dout, extra
+
+
 # (b, sq, sk, hq, hkv, d, options, bias (batch or 1, heads or 1) or None, mask shape or None)
 SCORED_CASES = {
     "d128-causal-bias-gqa": (2, 1024, 1024, 4, 2, 128, dict(causal=True), (2, 4), None),
@@ -403,23 +431,8 @@ def test_gpu_one_pass_bias_and_mask(monkeypatch, seed, case):
     from reference import assert_close_rel, reference_attention
     set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")
     b, sq, sk, hq, hkv, d, opts, bias_shape, mask_shape = SCORED_CASES[case]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    dout = torch.randn_like(q)
-    extra = dict(opts)
-    if "logits_soft_cap" in opts:
-        extra["softmax_aux"] = torch.randn(hq, device="cuda", generator=gen)
-    if case.endswith("documents"):
-        ids = (torch.arange(sq, device="cuda") * 3 // sq)[None].expand(b, sq).contiguous()
-        extra.update(q_segment_ids=ids, kv_segment_ids=ids)
-    if bias_shape:
-        extra["bias"] = (2.0 * torch.randn(*bias_shape, sq, sk, device="cuda", generator=gen)).to(torch.bfloat16)
-    if mask_shape:
-        mask = torch.rand(*mask_shape, sq, sk, device="cuda", generator=gen) < 0.7
-        mask[0, 0, 5] = False
-        mask[-1, -1, :, 64:200] = False
-        extra["attention_mask"] = mask
+    q, k, v, dout, extra = scored_inputs(b, sq, sk, hq, hkv, d, opts, bias_shape and (bias_shape, torch.bfloat16),
+                                         mask_shape, seed, documents=case.endswith("documents"))
     chains = spy_chains(monkeypatch, "plan_backward")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_attention(*leaves, **extra)

@@ -259,7 +259,9 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
 
 @gluon.jit
 def _scores_landed():
-    """The tiles _fetch_next_scores copied are there for every warp of the partition."""
+    """The tiles the partition's threads copied (cp.async) are there for all of them: each thread's
+    copies done, then a partition barrier (each copied parts that others read).  The Gluon forward's
+    too, whose partitions are single warpgroups."""
     async_copy.wait_group(0)
     _partition_barrier()
 

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .backward_gluon import _mma_layout, _partition_barrier, capped_tanh
+from .backward_gluon import _mma_layout, _partition_barrier, _scores_landed, capped_tanh
 from .rules import GLUON_FWD_INTS
 
 # How one warpgroup copies a [64, 128] tile of the bias or mask: 8 consecutive elements per thread.
@@ -206,14 +206,6 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
         _fetch_scores(mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k, BN)
     if HAS_BIAS or HAS_MASK:
         async_copy.commit_group()
-
-
-@gluon.jit
-def _scores_landed():
-    """The tiles _fetch_scores copied are there for the whole warpgroup: every thread's copies
-    done, then a barrier (each thread copied parts that others read)."""
-    async_copy.wait_group(0)
-    _partition_barrier()
 
 
 @gluon.jit
