@@ -2,6 +2,13 @@
 
 python benchmarks/bench_blocksparse.py --out results.json     (B=1, H=16, S=16384, D=128, bf16)
 Effective TFLOP/s count only the allowed (unmasked) query-key pairs: 4*D*H*pairs (fwd), x3.5 fwd+bwd.
+Cases: a causal window, packed documents and a BigBird-like layout (window, global and strided
+blocks).  "dualattn-blocksparse" is what a call runs (128 x 128 blocks: the Gluon kernels on sm_90);
+"dualattn-blocksparse-portable" the same call with the Gluon kernels switched off (A/B);
+"dualattn-flash" the same mask through flash_attention where its options state it (window, documents).
+Each row gives the wall time of back-to-back calls (do_bench) and the kernel time: calls queued behind a
+sleeping GPU, so that the host's time to issue them does not count (a forward of ~0.3 ms is close to
+the torch path's host time; benchmarks/NOTES.md, "Time short problems by kernel time").
 """
 import argparse
 import json
@@ -14,11 +21,24 @@ import triton
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dualattn.torch_api as dt
-from dualattn import SparseMask, masks
+from dualattn import SparseMask, masks, switches
 
 
-def _bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def _bench(fn, calls=10, rounds=3):
+    """(wall ms per call of back-to-back calls, kernel ms per call: calls queued behind a sleeping GPU)."""
+    wall = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    kernel = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e8))   # ~0.1 s: longer than issuing the calls
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        kernel.append(start.elapsed_time(end) / calls)
+    return wall, float(np.median(kernel))
 
 
 def main():
@@ -38,6 +58,9 @@ def main():
     window, n_docs = 1024, 8
     seg = torch.arange(S, device="cuda") // (S // n_docs)
     i = np.arange(S)
+    bigbird = masks.local((3 * BLK, 3 * BLK)) | masks.global_tokens(2 * BLK) | masks.strided(16)
+    bigbird_map = bigbird(1, 1, S, S, BLK, BLK)[0, 0]
+    bigbird_blocks = torch.tensor(bigbird_map, device="cuda")
     cases = {
         "causal_window1024": dict(
             builder=masks.causal() & masks.local((window, 0)), kw=dict(causal=True, sliding_window=(window, 0)),
@@ -48,14 +71,21 @@ def main():
             kw=dict(causal=True, q_segment_ids=seg[None].int(), kv_segment_ids=seg[None].int()),
             mask_mod=lambda b, h, qi, ki: (ki <= qi) & (seg[qi] == seg[ki]),
             pairs=n_docs * (S // n_docs) * (S // n_docs + 1) // 2),
+        "bigbird_window_global_strided": dict(
+            builder=bigbird, kw={},
+            mask_mod=lambda b, h, qi, ki: bigbird_blocks[qi // BLK, ki // BLK],
+            pairs=int(bigbird_map.sum()) * BLK * BLK, dense=False),
     }
     results = []
 
-    def record(case, system, mode, ms, pairs, err=None, note=None):
+    def record(case, system, mode, times, pairs, err=None, note=None):
+        ms, kernel_ms = times
         flops = 4 * D * H * pairs * (3.5 if mode == "fwdbwd" else 1.0)
         results.append(dict(case=case, system=system, mode=mode, ms=ms, effective_tflops=flops / ms / 1e9,
+                            kernel_ms=kernel_ms, kernel_effective_tflops=flops / kernel_ms / 1e9,
                             pairs=pairs, density=pairs / S / S, rel_err_vs_flex=err, note=note))
-        print(f"{case:24s} {system:22s} {mode:6s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} eff TFLOP/s"
+        print(f"{case:24s} {system:29s} {mode:6s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} eff TFLOP/s | kernel "
+              f"{kernel_ms:7.3f} ms {flops / kernel_ms / 1e9:6.1f}"
               + (f"  err={err:.1e}" if err is not None else "") + (f"  {note}" if note else ""), flush=True)
 
     dense_pairs = S * (S + 1) // 2
@@ -73,14 +103,25 @@ def main():
         ref = flex(qt, kt, vt, block_mask=bmask).transpose(1, 2)
         ours = dt.blocksparse_attention(q, k, v, layout=layout, **c["kw"])
         err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+        for system, off in (("dualattn-blocksparse", {}),
+                            ("dualattn-blocksparse-portable", dict(DUALATTN_GLUON_FWD="0", DUALATTN_ONE_PASS="0"))):
+            with switches.override(**off):
+                with torch.no_grad():
+                    record(name, system, "fwd",
+                           _bench(lambda: dt.blocksparse_attention(q, k, v, layout=layout, **c["kw"])), c["pairs"],
+                           err if not off else None, f"layout density {layout.density:.3f}, built in {build_ms:.0f} ms")
+                record(name, system, "fwdbwd",
+                       _bench(lambda: torch.autograd.grad(dt.blocksparse_attention(q, k, v, layout=layout, **c["kw"]),
+                                                          (q, k, v), do)), c["pairs"])
+        if c.get("dense", True):
+            with torch.no_grad():
+                record(name, "dualattn-flash", "fwd", _bench(lambda: dt.flash_attention(q, k, v, **c["kw"])),
+                       c["pairs"])
+            record(name, "dualattn-flash", "fwdbwd",
+                   _bench(lambda: torch.autograd.grad(dt.flash_attention(q, k, v, **c["kw"]), (q, k, v), do)),
+                   c["pairs"])
         with torch.no_grad():
-            record(name, "dualattn-blocksparse", "fwd",
-                   _bench(lambda: dt.blocksparse_attention(q, k, v, layout=layout, **c["kw"])), c["pairs"], err,
-                   f"layout density {layout.density:.3f}, built in {build_ms:.0f} ms")
             record(name, "flex", "fwd", _bench(lambda: flex(qt, kt, vt, block_mask=bmask)), c["pairs"])
-        record(name, "dualattn-blocksparse", "fwdbwd",
-               _bench(lambda: torch.autograd.grad(dt.blocksparse_attention(q, k, v, layout=layout, **c["kw"]),
-                                                  (q, k, v), do)), c["pairs"])
         record(name, "flex", "fwdbwd",
                _bench(lambda: torch.autograd.grad(flex(qt, kt, vt, block_mask=bmask), (qt, kt, vt),
                                                   do.transpose(1, 2))), c["pairs"])

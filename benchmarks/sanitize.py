@@ -64,6 +64,10 @@ CASES = [
         bias=True, mask=True, sliding_window=(500, 0)))),
     ("portable documents (single-id runs skip the compare)", False, dict(b=1, s=2048, h=2, hkv=2, d=80, opts=dict(
         causal=True, segments=500))),
+    ("gluon block-sparse, 128 blocks, GQA (persistent one-pass)", True, dict(b=1, s=4096, h=4, hkv=2, d=128,
+                                                                              sparse=True, block=128)),
+    ("gluon block-sparse, 128 blocks, ragged (a program per key tile)", True, dict(b=1, s=4160, h=2, hkv=2, d=64,
+                                                                                    sparse=True, block=128)),
     ("portable narrow q/k tile, fp32 block-sparse", False, dict(b=2, s=100, sk=7, h=4, hkv=2, d=16, dv=168,
                                                                  dtype=torch.float32, sparse=True)),
 ]
@@ -131,7 +135,7 @@ def _run_once(case, device) -> dict:
                            fullgraph=True)
         out = fn(q, k, v, cu)
     elif case.get("sparse"):
-        block = 64 if q.shape[1] > 100 else 32
+        block = case.get("block") or (64 if q.shape[1] > 100 else 32)
         layout = SparseMask.from_block_map((masks.causal() & masks.local(128))(1, 1, q.shape[1], k.shape[1], block,
                                                                                block), block, block)
         out = dt.blocksparse_attention(q, k, v, layout=layout, causal=True)

@@ -12,6 +12,7 @@ leaving the GPU idle at the tail.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict
 
 import numpy as np
@@ -101,12 +102,14 @@ class SparseMask:
         k_order = np.argsort(-q_counts, axis=-1, kind="stable").astype(np.int32)
         return cls(bm, int(block_q), int(block_k), kv_counts, kv_indices, q_counts, q_indices, q_order, k_order)
 
-    @property
+    # Cached: every call reads them (the plans key on them), and checking the lists took ~100 us of
+    # host time per call at S = 16384 (1 x 1 x 128 x 128 blocks), against a ~300 us forward kernel.
+    @functools.cached_property
     def kv_rows_contiguous(self) -> bool:
         """Every query block's active key blocks form one run (sliding windows, causal documents)."""
         return _runs(self.kv_counts, self.kv_indices)
 
-    @property
+    @functools.cached_property
     def q_rows_contiguous(self) -> bool:
         return _runs(self.q_counts, self.q_indices)
 

@@ -147,9 +147,12 @@ def _positions(q_positions, kv_positions, shapes: FlashShapes):
 
 
 def _sparse_arrays(layout) -> dict:
-    """The layout's block lists as jax arrays, made once per layout."""
+    """The layout's block lists as jax arrays, made once per layout, and concrete even when the first
+    call is being traced: a traced array cached here escaped into the next trace (a jitted forward,
+    then a jitted gradient with the same layout: UnexpectedTracerError)."""
     if "jax" not in layout.device_cache:
-        layout.device_cache["jax"] = {n: jnp.asarray(a) for n, a in layout.arrays().items()}
+        with jax.ensure_compile_time_eval():
+            layout.device_cache["jax"] = {n: jnp.asarray(a) for n, a in layout.arrays().items()}
     return layout.device_cache["jax"]
 
 

@@ -16,7 +16,8 @@ def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, *, layout=N
                           q_segment_ids: Optional[Tensor] = None, kv_segment_ids: Optional[Tensor] = None,
                           q_positions: Optional[Tensor] = None, kv_positions: Optional[Tensor] = None,
                           softmax_aux: Optional[Tensor] = None, logits_soft_cap: Optional[float] = None,
-                          softmax_scale: Optional[float] = None, return_lse: bool = False):
+                          softmax_scale: Optional[float] = None, return_lse: bool = False,
+                          deterministic: bool = False):
     """Attention over the active blocks of a layout only (BSHD, forward and backward).
 
     Args:
@@ -26,7 +27,8 @@ def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, *, layout=N
         causal, sliding_window, q/kv_segment_ids: token-level rules applied inside active blocks;
         q_positions (B, Sq) / kv_positions (B, Sk): the positions the window compares (default
             i + Sk - Sq and j), e.g. global positions of a shard.
-        softmax_aux, logits_soft_cap, softmax_scale, return_lse: as flash_attention.
+        softmax_aux, logits_soft_cap, softmax_scale, return_lse, deterministic: as flash_attention (128 x 128
+            layouts on the H100 run the one-pass backward, whose dQ atomics vary in order run to run).
     The result equals dense attention under the token mask the layout and the rules imply.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -41,4 +43,4 @@ def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, *, layout=N
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids, attention_mask=None, bias=None, dropout_prob=0.0,
                  dropout_seed=None, return_lse=return_lse, sparse=layout, q_positions=q_positions,
-                 kv_positions=kv_positions)
+                 kv_positions=kv_positions, deterministic=deterministic)

@@ -393,3 +393,33 @@ def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch
     _assert_same_bits(t, j, one_pass=one_pass)
     assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains
     assert set(backward_kernels) == {"flash_bwd_one_pass_kernel" if one_pass else "flash_bwd_dkdv_kernel"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_blocksparse_on_the_gluon_kernels_is_the_same_in_both(monkeypatch, causal):
+    """A layout of 128 x 128 blocks on the Gluon forward and the one-pass backward: the same out, dK
+    and dV bits in both frameworks, dQ within the one-pass kernel's reduction order."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    from dualattn import SparseMask, masks
+    from plan_spy import spy_chains, spy_kernels
+    for name, value in BACKWARDS["one-pass"].items():
+        set_switch(monkeypatch, name, value)
+    chains = spy_chains(monkeypatch)
+    backward_kernels = spy_kernels(monkeypatch)
+    s, h = 4096, 4
+    builder = (masks.causal() & masks.local((1024, 0))) if causal else (masks.strided(4) | masks.global_tokens(256))
+    layout = SparseMask.from_block_map(builder(1, h, s, s, 128, 128), 128, 128)
+    tq, tk, tv, tdo = _gpu_inputs(5, 1, s, h, 128)
+    rules = dict(causal=True, sliding_window=(1024, 0)) if causal else {}
+    leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+    to = dt.blocksparse_attention(*leaves, layout=layout, **rules)
+    t = [to.detach(), *(g.detach() for g in torch.autograd.grad(to, leaves, tdo))]
+    jo, vjp = jax.vjp(jax.jit(lambda a, b_, c: dj.blocksparse_attention(a, b_, c, layout=layout, backend="triton",
+                                                                         **rules)),
+                      *(jax.dlpack.from_dlpack(x) for x in (tq, tk, tv)))
+    j = [torch.from_dlpack(a) for a in (jo, *vjp(jax.dlpack.from_dlpack(tdo)))]
+    _assert_same_bits(t, j, one_pass=True)
+    assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains
+    assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels

@@ -113,6 +113,22 @@ def test_jax_triton_blocksparse_is_bitwise_equal_to_torch(rng):
         np.testing.assert_array_equal(np.asarray(a), t.detach().numpy())
 
 
+def test_jax_triton_layout_serves_a_jitted_forward_then_a_jitted_gradient(rng):
+    """The layout's block lists are cached as concrete jax arrays: cached from inside the first trace,
+    they escaped into the next one (UnexpectedTracerError)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import dualattn.jax_api as dj
+    layout = SparseMask.from_block_map(masks.causal()(1, 1, 64, 64, 32, 32), 32, 32)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 16)).astype(np.float32)) for _ in range(3))
+
+    def attn(a, b_, c):
+        return dj.blocksparse_attention(a, b_, c, layout=layout, causal=True, backend="triton")
+    out = jax.jit(attn)(q, k, v)
+    dq = jax.jit(jax.grad(lambda a, b_, c: (attn(a, b_, c) * out).sum()))(q, k, v)
+    assert out.shape == dq.shape == q.shape and bool(jnp.isfinite(dq).all())
+
+
 @pytest.mark.gpu
 def test_gpu_blocksparse_sliding_window_at_size():
     s, h, d, blk, window = 4096, 8, 128, 128, 512

@@ -33,6 +33,8 @@ masked (EVEN_K off).  Causal (bottom-right, diag = Sk - Sq + diag_shift): a key 
 tiles from the first that can see it; the ones straddling the diagonal are masked in a loop of their
 own.  Segment ids (packed documents): the key tile's segment ranges (segments.py) narrow its
 query tiles to those sharing an id, and tiles outside its one-id run compare ids in the masked loops.
+Block-sparse (a layout of 128 x 128 blocks): a key tile walks its list of query blocks, two query
+tiles each, and the rules above decide per tile whether it is masked (_work_item).
 What qualifies, the tile and the launch: plan.one_pass_backward / plan_backward.
 
 flash_bwd_dq_convert_kernel then casts the fp32 accumulator to dQ's dtype (a plain Triton kernel).
@@ -117,31 +119,54 @@ def _query_tiles(n0, seqlen_q, diag, window_left, BM: gl.constexpr, BN: gl.const
 
 
 @gluon.jit
-def _item_count(w_first, w_end, w_step, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+def _item_count(w_first, w_end, w_step, PAIRED: gl.constexpr):
     """How many key tiles this program visits: two per work item where they are paired (_work_item)."""
-    return gl.cdiv(w_end - w_first, w_step) * (2 if CAUSAL and PERSISTENT else 1)
+    return gl.cdiv(w_end - w_first, w_step) * (2 if PAIRED else 1)
 
 
 @gluon.jit
-def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES,
+def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse,
                BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-               PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
+               PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr):
     """The i-th key tile this program visits.  Work items w = w_first, w_first + w_step, ... are
     (batch * KV heads + KV head) * key tiles + key tile (one head's key tiles in a row), except
     causal and persistent: there item w is a pair of key tiles of one head, p and n - 1 - p (the
     plan makes the key tiles even): causal, key tile p sees the queries from its diagonal on, so
     the pair sees as many query tiles whatever p (2n + 2 of 64 rows, square and tile-aligned).
-    Every item is the same work, so programs dealt items round-robin finish together.  Returns the tile's batch, KV head, first key, the
-    descriptor coordinates of its first query row and key row, of its query-head group's first
-    column and its KV head's, of its first lse row, and its query tiles (_query_tiles).
+    Every item is the same work, so programs dealt items round-robin finish together.  Returns the
+    tile's batch, KV head, first key, the descriptor coordinates of its first query row and key row,
+    of its query-head group's first column and its KV head's, of its first lse row, and its query
+    tiles (_query_tiles).
     PERSISTENT: descriptors over whole arrays, (batch, head) in the coordinates; else over this
     item's (batch, head group) alone.  Of its n_local query tiles from i_start, [plain_lo, plain_hi)
     need no mask.
     SEGMENTS: the key tile's segment ranges (segments.py, key tiles of BN over query tiles of BM)
     narrow its query tiles to those sharing an id with it, and its unmasked ones to the run whose ids
-    all equal its one id; the others compare ids."""
+    all equal its one id; the others compare ids.
+    SPARSE_BLOCK_Q (a block-sparse layout of SPARSE_BLOCK_Q x BN blocks; 0: none): key tiles in the
+    layout's order (busiest first) of the group's first query head, persistent in pairs, the p-th
+    busiest with the p-th least busy (forward_gluon._fwd_item: why); each query head then visits
+    its list (_sparse_query_tiles), and the rules above only say which of those tiles need no mask.
+    `sparse` = (counts, lists, key-tile order, layout batch stride, layout head stride, list
+    length).  Returns also the layout row of the group's first query head."""
     n_key_tiles = gl.cdiv(seqlen_k, BN)
-    if CAUSAL and PERSISTENT:
+    sparse_row = n_key_tiles * 0
+    if SPARSE_BLOCK_Q > 0:
+        if PERSISTENT:
+            w = w_first + (i // 2) * w_step
+            n_pairs = n_key_tiles // 2
+            bh = w // n_pairs
+            p = w % n_pairs
+            position = p + (i % 2) * (n_key_tiles - 1 - 2 * p)
+        else:
+            w = w_first + i * w_step
+            bh = w // n_key_tiles
+            position = w % n_key_tiles
+        sparse_row = (bh // num_heads_kv) * sparse[3] + (bh % num_heads_kv) * GROUP * sparse[4]
+        kt = gl.load(sparse[2] + sparse_row + position)
+        sparse_row += kt
+        n0 = kt * BN
+    elif CAUSAL and PERSISTENT:
         w = w_first + (i // 2) * w_step
         n_pairs = n_key_tiles // 2
         bh = w // n_pairs
@@ -179,29 +204,60 @@ def _work_item(i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, windo
         q_col = n0 * 0
         k_col = n0 * 0
         lse_row = n0 * 0
-    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, plain_lo, plain_hi
+    return batch, kv_head, n0, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, plain_lo, plain_hi, sparse_row
+
+
+@gluon.jit
+def _sparse_query_tiles(sparse, sparse_row, g, BM: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
+                        SPARSE_RUNS: gl.constexpr):
+    """(query tiles to visit, the layout's list, the first query tile) for query head g of a key tile's
+    group (_work_item's layout row): each listed block is SPARSE_BLOCK_Q // BM query tiles
+    (_query_tile).  SPARSE_RUNS: every row of the layout is one run of blocks (windows, documents),
+    so the first is all _query_tile needs."""
+    row = sparse_row + g * sparse[4]
+    LIST = sparse[1] + row.to(gl.int64) * sparse[5]
+    first = row * 0
+    if SPARSE_RUNS:
+        first = gl.load(LIST) * (SPARSE_BLOCK_Q // BM)
+    return gl.load(sparse[0] + row) * (SPARSE_BLOCK_Q // BM), LIST, first
+
+
+@gluon.jit
+def _query_tile(j, first, LIST, BM: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr):
+    """The j-th query tile a key tile visits: first + j (dense: first is the band's first tile), or
+    block-sparse lists, the j-th of its list's blocks' tiles."""
+    if SPARSE_BLOCK_Q > 0 and not SPARSE_RUNS:
+        R: gl.constexpr = SPARSE_BLOCK_Q // BM
+        return gl.load(LIST + j // R) * R + j % R
+    else:
+        return first + j
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
-                    seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM: gl.constexpr,
+                    seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                    PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
+                    PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
+                    SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr):
     r = 0  # ring position: tiles so far, counted alike in every partition
-    for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _ = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
-            HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
+    for i in range(_item_count(w_first, w_end, w_step, PERSISTENT and (CAUSAL or SPARSE_BLOCK_Q > 0))):
+        _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _, sparse_row = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, BM, BN,
+            GROUP, HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS, SPARSE_BLOCK_Q)
         mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the previous key tile's K, V are read (fresh: passes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_ready, v_smem)
+        LIST = sparse[1]
+        first = i_start
         for g in range(GROUP):
+            if SPARSE_BLOCK_Q > 0:
+                n_local, LIST, first = _sparse_query_tiles(sparse, sparse_row, g, BM, SPARSE_BLOCK_Q, SPARSE_RUNS)
             for j in range(n_local):
                 s = r % STAGES
                 mbarrier.wait(qdo_empty.index(s), ((r // STAGES) & 1) ^ 1)
-                m0 = (i_start + j) * BM
+                m0 = _query_tile(j, first, LIST, BM, SPARSE_BLOCK_Q, SPARSE_RUNS) * BM
                 # lse rides with Q (needed for P), delta with dO (needed for dS)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
@@ -217,19 +273,25 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
 
 @gluon.jit
 def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                  diag, window_left, SEGMENT_RANGES, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                  DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                  WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
+                  diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+                  BN: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                  PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
+                  SPARSE_RUNS: gl.constexpr):
     r = 0
-    for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _, _ = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
-            HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
+    for i in range(_item_count(w_first, w_end, w_step, PERSISTENT and (CAUSAL or SPARSE_BLOCK_Q > 0))):
+        _, _, _, q_row, _, q_col, _, _, i_start, n_local, _, _, sparse_row = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, BM, BN,
+            GROUP, HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS, SPARSE_BLOCK_Q)
+        LIST = sparse[1]
+        first = i_start
         for g in range(GROUP):
+            if SPARSE_BLOCK_Q > 0:
+                n_local, LIST, first = _sparse_query_tiles(sparse, sparse_row, g, BM, SPARSE_BLOCK_Q, SPARSE_RUNS)
             for j in range(n_local):
                 b = r % DQ_BUFS
                 mbarrier.wait(dq_ready.index(b), (r // DQ_BUFS) & 1)
-                _tma_reduce_add(dq_desc, [q_row + (i_start + j) * BM, q_col + g * HEAD_DIM], dq_bufs.index(b))
+                m0 = _query_tile(j, first, LIST, BM, SPARSE_BLOCK_Q, SPARSE_RUNS) * BM
+                _tma_reduce_add(dq_desc, [q_row + m0, q_col + g * HEAD_DIM], dq_bufs.index(b))
                 tma.store_wait(0)  # the shared tile has been read: its buffer may be refilled
                 mbarrier.arrive(dq_empty.index(b), count=1)
                 r += 1
@@ -274,14 +336,15 @@ def _zero_masked(pt, keep):
 
 
 @gluon.jit
-def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs,
-          q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, seqlen_k,
-          k_ids, QSEG_ROW, cap_in, BIAS_HEAD, bias_stride_s, bias_in, bias_buf, MASK_HEAD, mask_stride_s, mask_buf,
-          HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
+          ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
+          seqlen_q, seqlen_k, k_ids, QSEG_ROW, cap_in, BIAS_HEAD, bias_stride_s, bias_in, bias_buf, MASK_HEAD,
+          mask_stride_s, mask_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr, DS_BUFS: gl.constexpr,
           WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
           HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
-    """One (key tile, query tile m0) step at ring position r.  MASK: the tile straddles the diagonal
+    """One (key tile, query tile m0) step at ring position r.  MASK (and at run time `masked`, which
+    the block-sparse loop decides per tile): the tile straddles the diagonal
     or, WINDOW, the window's far edge, or, SEGMENTS, lies outside the key tile's one-id run (then
     the keys' ids k_ids and the queries' ids, from QSEG_ROW, are compared).  SOFTCAP: the scores are
     capped (cap_in = scale / cap; qk_scale is then cap * log2 e), as in the Gluon forward.
@@ -319,19 +382,20 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
     else:
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
     if MASK:  # S^T[key n, query m]: masked before any use (lse may be inf there)
-        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
-        rows = m0 + gl.arange(0, BM, layout=col_layout)
-        # keys past the end (a partial last key tile; TMA reads them as zeros, so P = exp(-lse) there)
-        ok = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows < seqlen_q, 0)
-        if CAUSAL:   # keep n <= m + diag
-            queries = rows + diag
-            ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0))
-            if WINDOW:
-                ok = ok & (gl.expand_dims(keys, 1) >= gl.expand_dims(queries - window_left, 0))
-        if SEGMENTS:
-            q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
-            ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
-        pt = gl.where(ok, pt, 0.0)
+        if masked:
+            keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+            rows = m0 + gl.arange(0, BM, layout=col_layout)
+            # keys past the end (a partial last key tile; TMA reads them as zeros, so P = exp(-lse) there)
+            ok = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows < seqlen_q, 0)
+            if CAUSAL:   # keep n <= m + diag
+                queries = rows + diag
+                ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0))
+                if WINDOW:
+                    ok = ok & (gl.expand_dims(keys, 1) >= gl.expand_dims(queries - window_left, 0))
+            if SEGMENTS:
+                q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
+                ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
+            pt = gl.where(ok, pt, 0.0)
     if HAS_MASK:   # (lse may be -inf in a row the mask hides whole: P^T is inf there, before this)
         pt = _zero_masked(pt, mask_buf.permute((1, 0)).load(s_layout))
     pt16 = pt.to(dtype)
@@ -368,13 +432,14 @@ def _tile(r, r_first, m0, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
 def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready, kv_empty,
                        q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                       diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb,
+                       diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
                        seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_buf, MASK, mask_strides, mask_buf,
                        HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
                        CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
                        SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
+                       HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
+                       SPARSE_RUNS: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -383,10 +448,10 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
     r = 0
-    for i in range(_item_count(w_first, w_end, w_step, CAUSAL, PERSISTENT)):
-        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, plain_lo, plain_hi = _work_item(
-            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP,
-            HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)
+    for i in range(_item_count(w_first, w_end, w_step, PERSISTENT and (CAUSAL or SPARSE_BLOCK_Q > 0))):
+        batch, kv_head, n0, _, _, _, _, _, i_start, n_local, plain_lo, plain_hi, sparse_row = _work_item(
+            i, w_first, w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, BM, BN,
+            GROUP, HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS, SPARSE_BLOCK_Q)
         k_ids = 0
         qseg_row = QSEG
         if SEGMENTS:   # the key tile's ids, one per row of S^T (past the keys: -1, the queries' padding -2)
@@ -407,35 +472,51 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             head = (kv_head * GROUP + g).to(gl.int64)
             bias_head = BIAS + gl.multiple_of(batch.to(gl.int64) * bias_strides[0] + head * bias_strides[1], [8])
             mask_head = MASK + gl.multiple_of(batch.to(gl.int64) * mask_strides[0] + head * mask_strides[1], [8])
-            # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
-            # unmasked ones, masked ones (the window's far edge; segment ids; a partial key tile's): _work_item's
-            # bounds
-            if CAUSAL or SEGMENTS:
-                for j in range(plain_lo):
-                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
+            if SPARSE_BLOCK_Q > 0:
+                # the listed query tiles: unmasked only inside the rules' unmasked run (_work_item)
+                n_visit, LIST, first = _sparse_query_tiles(sparse, sparse_row, g, BM, SPARSE_BLOCK_Q, SPARSE_RUNS)
+                for j in range(n_visit):
+                    t = _query_tile(j, first, LIST, BM, SPARSE_BLOCK_Q, SPARSE_RUNS)
+                    dk, dv = _tile(r, r_first, t * BM, n0, (t < i_start + plain_lo) | (t >= i_start + plain_hi), diag,
+                                   window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem,
+                                   dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale,
+                                   zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head,
+                                   bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2], mask_buf, HEAD_DIM,
+                                   BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
+                                   HAS_BIAS, HAS_MASK)
+                    r += 1
+            else:
+                # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
+                # unmasked ones, masked ones (the window's far edge; segment ids; a partial key tile's):
+                # _work_item's bounds
+                if CAUSAL or SEGMENTS:
+                    for j in range(plain_lo):
+                        dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, True, diag, window_left, dk, dv, k_smem,
+                                       v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
+                                       do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
+                                       seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES,
+                                       DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS,
+                                       HAS_MASK)
+                        r += 1
+                for j in range(plain_lo, plain_hi):
+                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, True, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
                                    seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
-                                   mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
-                                   NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
+                                   mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
+                                   False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
                     r += 1
-            for j in range(plain_lo, plain_hi):
-                dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem, q_bufs,
-                               do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready,
-                               dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row,
-                               cap_in, bias_head, bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2],
-                               mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL,
-                               SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
-                r += 1
-            if WINDOW or SEGMENTS or not EVEN_K:
-                for j in range(plain_hi, n_local):
-                    dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, diag, window_left, dk, dv, k_smem, v_smem,
-                                   q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
-                                   qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
-                                   seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
-                                   mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
-                                   NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
-                    r += 1
+                if WINDOW or SEGMENTS or not EVEN_K:
+                    for j in range(plain_hi, n_local):
+                        dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, True, diag, window_left, dk, dv, k_smem,
+                                       v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
+                                       do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
+                                       seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES,
+                                       DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS,
+                                       HAS_MASK)
+                        r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
             _partition_barrier()
@@ -454,17 +535,19 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
 
 @gluon.jit(do_not_specialize=ONE_PASS_INTS)
 def flash_bwd_one_pass_kernel(
-    Q, K, V, DO, LSE, DELTA, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK,
+    Q, K, V, DO, LSE, DELTA, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
     batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
     softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    sparse_kstride_b, sparse_kstride_h, num_q_blocks,
     DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
     PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
     SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
+    SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -473,7 +556,9 @@ def flash_bwd_one_pass_kernel(
     # descriptors once, over whole arrays (plan: Sq, Sk tile multiples, (batch, seq) rows and heads
     # side by side), where a program per item spent ~10 us building its seven (NOTES: "Persistent launches").
     # DESC_SCRATCH: where jax-triton launches keep the descriptors (jax_api/_scratch.py); Triton's
-    # launcher brings its own scratch.
+    # launcher brings its own scratch.  SPARSE_BLOCK_Q: a block-sparse layout of SPARSE_BLOCK_Q x BLOCK_N
+    # blocks (dualattn.SparseMask's query-block lists, _work_item), 0 where there is none; SPARSE_RUNS:
+    # its every key block's query blocks are one run (_sparse_query_tiles).
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -568,22 +653,24 @@ def flash_bwd_one_pass_kernel(
         128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
     mask_buf = gl.allocate_shared_memory(mask_ty, [BLOCK_M, BLOCK_N] if HAS_MASK else [8, 8], gl.SwizzledSharedLayout(
         128 // mask_ty.primitive_bitwidth, 1, 8, [1, 0]))
+    sparse = (SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER, sparse_kstride_b, sparse_kstride_h, num_q_blocks)
     gl.warp_specialize([
         (_compute_partition, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, kv_ready,
                               kv_empty, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, DK, DV, stride_dkb,
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
                               seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
-                              SEGMENT_RANGES, seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in,
+                              SEGMENT_RANGES, sparse, seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in,
                               bias_buf, MASK, mask_strides, mask_buf, HEAD_DIM, BLOCK_M, BLOCK_N,
                               STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS,
-                              SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK)),
+                              SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK, SPARSE_BLOCK_Q, SPARSE_RUNS)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
-                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM,
-                           BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)),
+                           w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse,
+                           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS,
+                           SPARSE_BLOCK_Q, SPARSE_RUNS)),
         (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k,
-                         num_heads_kv, diag, window_left, SEGMENT_RANGES, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS,
-                         GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS)),
+                         num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         DQ_BUFS, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS, SPARSE_BLOCK_Q, SPARSE_RUNS)),
     ], [1, 1], [24, 24])
 
 

@@ -21,8 +21,9 @@ tile, or causal, a long and a short one) through descriptors over the whole arra
 batch (or TMA's zero padding): keys there are masked, query rows there are not stored.
 Causal is bottom-right (query row m sees key n iff n <= m + diag, diag = Sk - Sq + shift).
 Fully masked rows give O = 0 and lse = -inf.  A bias and an attention mask are copied per warpgroup
-into shared memory a key tile ahead (_fetch_scores) and read where the softmax uses them.  What
-qualifies and the tiles: plan.gluon_forward.
+into shared memory a key tile ahead (_fetch_scores) and read where the softmax uses them.  A
+block-sparse layout of 128 x 128 blocks: each query tile walks its list of key blocks (_fwd_item).
+What qualifies and the tiles: plan.gluon_forward.
 Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
 (compile_check) and GPU tests check its numbers.
 """
@@ -35,14 +36,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .backward_gluon import _mma_layout, _partition_barrier, _scores_landed, capped_tanh
 from .rules import GLUON_FWD_INTS
 
+# SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
+SPARSE_LISTS = gl.constexpr(1)
+SPARSE_RUNS = gl.constexpr(2)
 # How one warpgroup copies a [64, 128] tile of the bias or mask: 8 consecutive elements per thread.
 SCORE_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, BM: gl.constexpr,
+def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse, BM: gl.constexpr,
               BN: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              SEGMENTS: gl.constexpr):
+              SEGMENTS: gl.constexpr, SPARSE: gl.constexpr):
     """Query tile `sub` of work item w: whether it exists, its batch, query head, KV head, first
     query row, the key tiles to visit [n_first, n_tiles), and which of those need no mask: tiles
     [n_left_full, n_full).  One head's items are consecutive, so programs taking items in turn work
@@ -52,9 +56,27 @@ def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMEN
     together (with a window, every tile but the first few visits as many anyway).  WINDOW (causal
     only): row m also needs key n >= m + diag - window_left.  SEGMENTS: the tile's segment ranges
     (segments.py, for BM-row query tiles and BN-wide key tiles) narrow its key tiles to those sharing an
-    id with it, and its unmasked ones to the run whose ids all equal its one id."""
+    id with it, and its unmasked ones to the run whose ids all equal its one id.
+    SPARSE: the key tiles are those of the tile's row of a block-sparse layout (blocks of BM x BN):
+    `sparse` = (counts, lists, tile order, layout batch stride, layout head stride, list length).
+    An item is a pair of query tiles, the t-th busiest and the t-th least busy in the layout's order,
+    so items do about equal work whatever the layout (dealt round-robin from a busiest-first order,
+    programs whose turns fell on the busy tiles of every head took 1.5x the mean: documents);
+    [n_first, n_tiles) index the list (_key_tile), and a listed tile is unmasked only inside
+    [n_left_full, n_full) as the rules above place it (the layout is the caller's: a tile outside the
+    band is masked whole).  SPARSE == SPARSE_RUNS: every row's blocks are one run (windows,
+    documents), so [n_first, n_tiles) are the key tiles themselves, from the list's first entry, and no
+    other index is read.  Returns also the list (unused unless SPARSE)."""
     n_q_tiles = gl.cdiv(seqlen_q, BM)
-    if CAUSAL:
+    LIST = sparse[1]
+    if SPARSE:
+        n_pairs = gl.cdiv(n_q_tiles, 2)
+        bh = w // n_pairs
+        pair = w % n_pairs
+        layout_row = (bh // num_heads_q) * sparse[3] + (bh % num_heads_q) * sparse[4]
+        t = gl.load(sparse[2] + layout_row + gl.where(sub == 0, pair, n_q_tiles - 1 - pair))
+        valid = (sub == 0) | (pair != n_q_tiles - 1 - pair)
+    elif CAUSAL:
         n_pairs = gl.cdiv(n_q_tiles, 2)
         bh = w // n_pairs
         pair = w % n_pairs
@@ -88,23 +110,39 @@ def _fwd_item(w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMEN
         n_tiles = gl.maximum(gl.minimum(n_tiles, gl.cdiv(gl.load(ranges + 1), BN)), n_first)
         n_left_full = gl.maximum(n_left_full, gl.load(ranges + 2) // BN)
         n_full = gl.minimum(n_full, gl.load(ranges + 3) // BN)
-    return valid, batch, head, head // GROUP, m0, n_first, n_tiles, n_left_full, n_full
+    if SPARSE:
+        n_first = m0 * 0
+        n_tiles = gl.load(sparse[0] + layout_row + t)
+        LIST = sparse[1] + (layout_row + t).to(gl.int64) * sparse[5]
+        if SPARSE == SPARSE_RUNS:
+            n_first = gl.load(LIST)
+            n_tiles += n_first
+    return valid, batch, head, head // GROUP, m0, n_first, n_tiles, n_left_full, n_full, LIST
+
+
+@gluon.jit
+def _key_tile(i, n_first, LIST, SPARSE: gl.constexpr):
+    """The i-th key tile of an item (_fwd_item): n_first + i, or SPARSE_LISTS, its list's i-th entry."""
+    if SPARSE == SPARSE_LISTS:
+        return gl.load(LIST + i)
+    else:
+        return n_first + i
 
 
 @gluon.jit
 def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES,
+              w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse,
               HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SPARSE: gl.constexpr):
     HM: gl.constexpr = BM // 2
-    SUBS: gl.constexpr = 2 if CAUSAL else 1
+    SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     r = 0     # key tiles so far, counted alike in every partition
     tile = 0  # query tiles so far
     for w in range(w_first, w_end, w_step):
         for sub in range(SUBS):
-            valid, batch, head, kv_head, m0, n_first, n_tiles, _, _ = _fwd_item(
-                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP, CAUSAL,
-                WINDOW, SEGMENTS)
+            valid, batch, head, kv_head, m0, n_first, n_tiles, _, _, LIST = _fwd_item(
+                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse, BM, BN, GROUP,
+                CAUSAL, WINDOW, SEGMENTS, SPARSE)
             if valid:
                 q_row = batch * seqlen_q + m0
                 k_row = batch * seqlen_k
@@ -113,7 +151,8 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready, q_bufs.index(0))
                 tma.async_copy_global_to_shared(q_desc, [q_row + HM, head * HEAD_DIM], q_ready, q_bufs.index(1))
-                for j in range(n_first, n_tiles):
+                for i in range(n_first, n_tiles):
+                    j = _key_tile(i, 0, LIST, SPARSE)
                     s = r % STAGES
                     mbarrier.wait(k_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
@@ -209,13 +248,14 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
 
 
 @gluon.jit
-def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-              v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW, cap_in,
-              BIAS_ROW, bias_stride_s, bias_in, bias_buf, MASK_ROW, mask_stride_s, mask_buf,
-              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
-              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
-    """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (ring positions r on):
+def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty,
+              k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW,
+              cap_in, BIAS_ROW, bias_stride_s, bias_in, bias_buf, MASK_ROW, mask_stride_s, mask_buf, HALF: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
+              HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr):
+    """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (SPARSE: LIST's first
+    n_tiles; _key_tile) (ring positions r on):
     (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
     (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK)."""
     HM: gl.constexpr = BM // 2
@@ -245,8 +285,9 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
     mbarrier.wait(q_ready, tile & 1)
     count = n_tiles - n_first
     if count > 0:
+        j = _key_tile(0, n_first, LIST, SPARSE)
         _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
-                           n_first * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
+                           j * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
         # Prologue: S_0 and its softmax.
         st = r % STAGES
         mbarrier.wait(k_ready.index(st), (r // STAGES) & 1)
@@ -256,17 +297,17 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
         mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
         if HAS_BIAS or HAS_MASK:
             _scores_landed()
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n_first * BN, rows, seqlen_k, diag, window_left,
-                                       (n_first < n_left_full) | (n_first >= n_full), q_ids, KSEG_ROW, cap_in,
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
+                                       (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
                                        bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
                                        SOFTCAP, HAS_BIAS, HAS_MASK)
         if HAS_BIAS or HAS_MASK:
             _partition_barrier()   # every thread has read the tiles: copy the next ones in
             if count > 1:
                 _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
-                                   (n_first + 1) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
+                                   _key_tile(1, n_first, LIST, SPARSE) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
         for i in range(1, count):
-            j = n_first + i
+            j = _key_tile(i, n_first, LIST, SPARSE)
             rn = r + i
             sn = rn % STAGES
             sp = (rn - 1) % STAGES
@@ -290,7 +331,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs
                 _partition_barrier()
                 if i + 1 < count:
                     _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
-                                       (j + 1) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
+                                       _key_tile(i + 1, n_first, LIST, SPARSE) * BN, seqlen_k, BN, HAS_BIAS,
+                                       HAS_MASK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + count - 1
@@ -331,15 +373,16 @@ def _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS: gl.constexpr, SINKS_PER_H
 @gluon.jit
 def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                  o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k,
-                 num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, seg_stride_qb, seg_stride_kb,
+                 num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
+                 seg_stride_kb,
                  cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, HALF: gl.constexpr,
                  HEAD_DIM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
                  SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
+                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr):
     HM: gl.constexpr = BM // 2
-    SUBS: gl.constexpr = 2 if CAUSAL else 1
+    SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_bufs.dtype
@@ -349,24 +392,21 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
     tile = 0
     for w in range(w_first, w_end, w_step):
         for sub in range(SUBS):
-            valid, batch, head, kv_head, m0, n_first, n_tiles, n_left_full, n_full = _fwd_item(
-                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, BM, BN, GROUP, CAUSAL,
-                WINDOW, SEGMENTS)
+            valid, batch, head, kv_head, m0, n_first, n_tiles, n_left_full, n_full, LIST = _fwd_item(
+                w, sub, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse, BM, BN, GROUP,
+                CAUSAL, WINDOW, SEGMENTS, SPARSE)
             if valid:
                 b64 = batch.to(gl.int64)
                 h64 = head.to(gl.int64)
-                acc, m_i, l_i, rows = _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, r, tile, q_smem, k_bufs,
-                                                v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seqlen_q,
-                                                seqlen_k, diag, window_left, qk_scale, QSEG + b64 * seg_stride_qb,
-                                                KSEG + b64 * seg_stride_kb, cap_in,
-                                                BIAS + gl.multiple_of(b64 * bias_strides[0] + h64 * bias_strides[1],
-                                                                      [8]),
-                                                bias_strides[2], bias_in, bias_bufs.index(HALF),
-                                                MASK + gl.multiple_of(b64 * mask_strides[0] + h64 * mask_strides[1],
-                                                                      [8]),
-                                                mask_strides[2], mask_bufs.index(HALF), HALF, HEAD_DIM, BM, BN,
-                                                STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS,
-                                                HAS_MASK)
+                bias_head = BIAS + gl.multiple_of(b64 * bias_strides[0] + h64 * bias_strides[1], [8])
+                mask_head = MASK + gl.multiple_of(b64 * mask_strides[0] + h64 * mask_strides[1], [8])
+                acc, m_i, l_i, rows = _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem,
+                                                k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                                seqlen_q, seqlen_k, diag, window_left, qk_scale,
+                                                QSEG + b64 * seg_stride_qb, KSEG + b64 * seg_stride_kb, cap_in,
+                                                bias_head, bias_strides[2], bias_in, bias_bufs.index(HALF), mask_head,
+                                                mask_strides[2], mask_bufs.index(HALF), HALF, HEAD_DIM, BM, BN, STAGES,
+                                                CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -395,21 +435,24 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
 
 @gluon.jit(do_not_specialize=GLUON_FWD_INTS)
 def flash_fwd_gluon_kernel(
-    Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK,
+    Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK, SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
     softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
+    sparse_stride_b, sparse_stride_h, num_k_blocks,
     OUT, LSE, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
     NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-    HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
     # side (stride_qh == HEAD_DIM) and batches end to end (plan.gluon_forward).  DESC_SCRATCH:
-    # where jax-triton launches keep the descriptors (jax_api/_scratch.py).
+    # where jax-triton launches keep the descriptors (jax_api/_scratch.py).  SPARSE (SPARSE_LISTS or
+    # SPARSE_RUNS; 0: none): a block-sparse layout of BLOCK_M x BLOCK_N blocks (dualattn.SparseMask's
+    # key-block lists, _fwd_item).
     dtype: gl.constexpr = Q.dtype.element_ty
     HM: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, HEAD_DIM], dtype)
@@ -465,22 +508,24 @@ def flash_fwd_gluon_kernel(
         128 // mask_ty.primitive_bitwidth, 1, 8, [1, 0]))
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_s)
     mask_strides = (mask_stride_b, mask_stride_h, mask_stride_s)
+    sparse = (SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, num_k_blocks)
     gl.warp_specialize([
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
+                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, 0,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES,
+                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, 1,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
-                     SEGMENT_RANGES, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, SEGMENTS)),
+                     SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,
+                     SEGMENTS, SPARSE)),
     ], [4, 1], [240, 24])

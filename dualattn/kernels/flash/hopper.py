@@ -265,7 +265,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the Gluon kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
-    per-element option, no block-sparse list, no packed varlen; the soft cap qualifies, and segment ids: the
+    per-element option, no packed varlen; the soft cap qualifies, a block-sparse layout of 128 x 128 blocks
+    (sparse_on_gluon_tiles: each key tile walks its list of query blocks), and segment ids: the
     key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64 or 128
     (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
@@ -282,7 +283,9 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not _warp_specializable(shapes, sparse, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
+    if not sparse_on_gluon_tiles(sparse):
+        return None
+    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
         return None
     if (shapes.has_bias and bias_grad) or not all(score_tiles_copyable(shapes, strides, name)
                                                   for name in ("bias", "attention_mask")):
@@ -299,6 +302,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
 GLUON_FWD_TILE = (128, 128, 2)
 GLUON_FWD_WARPS = 4
 GLUON_FWD_ENV = "DUALATTN_GLUON_FWD"
+# Block-sparse layouts the Gluon kernels walk: (block_q, block_k), sparse_on_gluon_tiles.
+GLUON_SPARSE_BLOCKS = (128, 128)
 
 
 def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides, constexprs,
@@ -312,18 +317,28 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     attention mask (any broadcast over batch and heads); descriptors
     over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
-    by side.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
+    by side.  A block-sparse layout whose blocks are the kernel's tiles (sparse_on_gluon_tiles): each
+    query tile walks its list of key blocks.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
     if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
         return False
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False
+    if not sparse_on_gluon_tiles(sparse):
+        return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
     # compared on the tiles outside its one-id run.  A bias and an attention mask: read per tile beside S.
-    if not _warp_specializable(shapes, sparse, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
+    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
         return False
     if not all(score_tiles_copyable(shapes, strides, name) for name in ("bias", "attention_mask")):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
+
+
+def sparse_on_gluon_tiles(sparse: Optional[SparseInfo]) -> bool:
+    """Whether the Gluon kernels can walk a block-sparse layout: blocks of 128 x 128 (FlexAttention's
+    default), the Gluon forward's tile, whose query blocks the one-pass backward splits into two of
+    its 64-row tiles.  True where there is no layout."""
+    return sparse is None or (sparse.block_q, sparse.block_k) == GLUON_SPARSE_BLOCKS
 
 
 def score_tiles_copyable(shapes: FlashShapes, strides, name: str) -> bool:
@@ -397,7 +412,7 @@ bool = False
 
 
 def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, tile: Tuple[int, ...],
-                        flag: Optional[str] = None) -> bool:
+                        flag: Optional[str] = None, sparse: Optional[SparseInfo] = None) -> bool:
     """Whether the one-pass kernel runs persistent (a program per SM, work items dealt round-robin).
 
     Non-causal it pays where items are short: kernel time at 16k tokens, S=1024 (NOTES: "When the one-pass
@@ -413,14 +428,17 @@ def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, til
     descriptors over whole arrays as (batch * seq, heads * head dim) matrices: Sq and Sk tile
     multiples (no tile reaches into the next batch), and in query, key, value and out the heads
     side by side (head stride == head dim) and the batches end to end (batch stride == seq * seq
-    stride).  flag: DUALATTN_PERSISTENT, "0" / "1" turn it off / on wherever the descriptors allow
-    (A/B runs, tests)."""
+    stride).  Block-sparse: items are pairs of key tiles too (the busiest with the least busy), at every
+    length, where the layout's query blocks (two query tiles each) end at Sq: a listed block's second
+    tile would otherwise reach into the next batch.  flag: DUALATTN_PERSISTENT, "0" / "1" turn it off /
+    on wherever the descriptors allow (A/B runs, tests)."""
     block_m, block_n = tile[:2]
-    causal = options.window_right == 0
-    # causal: items are pairs of key tiles (backward_gluon._work_item), so an even number of them
-    if flag == "0" or shapes.seqlen_q % block_m or shapes.seqlen_k % (2 * block_n if causal else block_n):
+    paired = options.window_right == 0 or sparse is not None
+    # causal or block-sparse: items are pairs of key tiles (backward_gluon._work_item), so an even number
+    rows = sparse.block_q if sparse is not None else block_m
+    if flag == "0" or shapes.seqlen_q % rows or shapes.seqlen_k % (2 * block_n if paired else block_n):
         return False
-    if flag != "1" and not causal and shapes.seqlen_k > PERSISTENT_BWD_MAX_KEYS:
+    if flag != "1" and not paired and shapes.seqlen_k > PERSISTENT_BWD_MAX_KEYS:
         return False
     return whole_array_rows(shapes, strides, ("query", "key", "value", "out"))
 

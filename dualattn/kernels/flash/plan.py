@@ -226,19 +226,20 @@ def _memoised(plan_fn):
 
 
 def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
-                          num_sms: int, softcap: int) -> Launch:
+                          num_sms: int, softcap: int, sparse: Optional[SparseInfo]) -> Launch:
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
-    causal, a pair of them); with segment ids, after the launch of its tiles' segment ranges."""
+    causal or block-sparse, a pair of them); with segment ids, after the launch of its tiles' segment ranges.
+    Block-sparse: the layout's lists (its blocks are the tiles: hopper.sparse_on_gluon_tiles)."""
     block_m, block_n, stages = GLUON_FWD_TILE
     causal = options.window_right == 0   # (gluon_forward: a window_left only with it)
     q_tiles = cdiv(shapes.seqlen_q, block_m)
-    num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal else q_tiles)
+    num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal or sparse is not None else q_tiles)
     grid = (max(1, min(num_sms or num_work, num_work)), 1, 1)
     segments = shapes.has_segments
     main = Launch(
         module="flash.forward_gluon", kernel="flash_fwd_gluon_kernel", grid=grid,
         inputs=("query", "key", "value", "softmax_aux", "q_segment_ids", "kv_segment_ids", "segment_ranges", "bias",
-                "attention_mask"),
+                "attention_mask", "sparse_kv_count", "sparse_kv_index", "sparse_q_order"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ob",
                                                "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -248,7 +249,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
            ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"]))
         + tuple((k, scalar[k]) for k in ("bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
-                                         "mask_stride_h", "mask_stride_s")),
+                                         "mask_stride_h", "mask_stride_s", "sparse_stride_b", "sparse_stride_h",
+                                         "num_k_blocks")),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
@@ -256,7 +258,9 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
                     ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
                     ("SEGMENTS", segments), ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
-                    ("HAS_MASK", shapes.has_mask)),
+                    ("HAS_MASK", shapes.has_mask),
+                    # forward_gluon's SPARSE_LISTS / SPARSE_RUNS
+                    ("SPARSE", 0 if sparse is None else 2 if sparse.kv_rows_contiguous else 1)),
         num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
     # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
     return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
@@ -300,7 +304,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
                                           softcap_mode(shapes, options, hardware_tanh, env))
     switch = env
     if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
-        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms, dict(constexprs)["SOFTCAP"])
+        return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms, dict(constexprs)["SOFTCAP"],
+                                     sparse)
     persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
                   and whole_array_tiles(shapes, scalars, constexprs))
     ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
@@ -510,7 +515,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                                  bias_grad) if gluon and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
-                                      one_pass, num_sms, env.get(PERSISTENT_ENV), const["SOFTCAP"])
+                                      one_pass, num_sms, env.get(PERSISTENT_ENV), const["SOFTCAP"], sparse)
         return BackwardPlan(preprocess, dkdv, dq, shapes.batch * shapes.heads_q * n_m_blocks)
     store_dbias = shapes.has_bias and bias_grad
     dbias_shape = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k) if store_dbias else (1,)
@@ -583,16 +588,17 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
 
 def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict, strides, q_shape, k_shape, v_shape,
                        diag_shift: int, tile: Tuple[int, ...], num_sms: int,
-                       persistent_flag: Optional[str], softcap: int) -> Tuple[Launch, Launch]:
+                       persistent_flag: Optional[str], softcap: int,
+                       sparse: Optional[SparseInfo]) -> Tuple[Launch, Launch]:
     """The one-pass kernel (dK, dV and an fp32 dQ accumulator) and the launch casting dQ; persistent
     where one_pass_persistent; with segment ids, after the launch of its key tiles' segment ranges.
-    softcap: the SOFTCAP constexpr (softcap_mode)."""
+    softcap: the SOFTCAP constexpr (softcap_mode).  Block-sparse: the layout's query-block lists."""
     block_m, block_n, stages, dq_bufs, ds_bufs = tile
     grid = (cdiv(shapes.seqlen_k, block_n), shapes.batch * shapes.heads_kv, 1)
     num_work = grid[0] * grid[1]
-    persistent = num_sms > 0 and one_pass_persistent(shapes, options, strides, tile, persistent_flag)
+    persistent = num_sms > 0 and one_pass_persistent(shapes, options, strides, tile, persistent_flag, sparse)
     if persistent:
-        if options.window_right == 0:
+        if options.window_right == 0 or sparse is not None:
             num_work //= 2   # pairs of key tiles (backward_gluon._work_item)
         grid = (min(num_sms, num_work), 1, 1)
     grads = {name: _seq_strides(_contiguous(shape), False) for name, shape in
@@ -600,7 +606,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
     one_pass = Launch(
         module="flash.backward_gluon", kernel="flash_bwd_one_pass_kernel", grid=grid,
         inputs=("query", "key", "value", "dout", "lse", "delta", "q_segment_ids", "kv_segment_ids", "segment_ranges",
-                "bias", "attention_mask"),
+                "bias", "attention_mask", "sparse_q_count", "sparse_q_index", "sparse_k_order"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh"))
         + tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -611,7 +617,8 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
            ("sm_scale", float(options.softmax_scale)), ("seg_stride_qb", scalar["seg_stride_qb"]),
            ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"]))
         + tuple((k, scalar[k]) for k in ("bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
-                                         "mask_stride_h", "mask_stride_s")),
+                                         "mask_stride_h", "mask_stride_s", "sparse_kstride_b", "sparse_kstride_h",
+                                         "num_q_blocks")),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
@@ -619,7 +626,8 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
                     ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments),
                     ("SOFTCAP", softcap), ("EVEN_K", shapes.seqlen_k % block_n == 0), ("HAS_BIAS", shapes.has_bias),
-                    ("HAS_MASK", shapes.has_mask)),
+                    ("HAS_MASK", shapes.has_mask), ("SPARSE_BLOCK_Q", sparse.block_q if sparse is not None else 0),
+                    ("SPARSE_RUNS", sparse is not None and sparse.q_rows_contiguous)),
         num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
     if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
         one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)

@@ -425,12 +425,12 @@ ONE_PASS_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks"
                  "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh", "stride_dqb", "stride_dqs",
                  "stride_dqh", "batch", "seqlen_q", "seqlen_k", "num_heads_kv", "diag", "window_left", "num_work",
                  "seg_stride_qb", "seg_stride_kb", "bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
-                 "mask_stride_h", "mask_stride_s"]
+                 "mask_stride_h", "mask_stride_s", "sparse_kstride_b", "sparse_kstride_h", "num_q_blocks"]
 GLUON_FWD_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                   "stride_vs", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h",
                   "batch", "seqlen_q", "seqlen_k", "num_heads_q", "diag", "window_left", "num_work",
                   "seg_stride_qb", "seg_stride_kb", "bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
-                  "mask_stride_h", "mask_stride_s"]
+                  "mask_stride_h", "mask_stride_s", "sparse_stride_b", "sparse_stride_h", "num_k_blocks"]
 
 
 @triton.jit
