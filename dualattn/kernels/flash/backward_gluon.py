@@ -51,11 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton._C.libtriton import ir
 
+from .gluon_shared import capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier, scores_landed
 from .rules import ONE_PASS_INTS
-
-# Triton 3.6 names the partition-wide barrier `thread_barrier`, 3.7 `barrier`.
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
 
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -64,26 +61,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coords, smem).  Completion is tracked like a TMA store's (tma.store_wait)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.constexpr_function
-def _mma_layout(M, N, num_warps):
-    """wgmma accumulator layout of an [M, N] tile: warps along M first (16 rows each), then N."""
-    wm = min(num_warps, max(M // 16, 1))
-    wn = num_warps // wm
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, N // wn, 16])
-
-
-@gluon.jit
-def capped_tanh(x, SOFTCAP: gl.constexpr):
-    """tanh(x), as rules.capped_tanh (the Triton kernels' soft cap; the same two forms, the same
-    numbers): SOFTCAP 2, the GPU's tanh.approx.f32; 1, the exp2 form, accurate to fp32.  The Gluon
-    forward caps its scores with it too."""
-    if SOFTCAP == 2:
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return 1.0 - 2.0 / (gl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @gluon.jit
@@ -303,36 +280,17 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
                        seqlen_k, BM: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Start copying the [BM, BN] tiles at (m0, n0) of the bias and the mask (rows = queries) into
-    their buffers, one commit group (forward_gluon._fetch_scores' rules: 16-byte pieces, zeros outside)."""
+    their buffers, one commit group (gluon_shared.copy_score_tile)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    ok = gl.max_constancy(gl.expand_dims(rows < seqlen_q - m0, 1) & gl.expand_dims(keys < seqlen_k, 0), [1, 8])
+    rows_ok = rows < seqlen_q - m0
     if HAS_BIAS:
-        base = BIAS_HEAD + gl.multiple_of(m0.to(gl.int64) * bias_stride_s, [8])
-        offsets = gl.expand_dims(gl.multiple_of(rows * bias_stride_s, [8]), 1) + gl.expand_dims(keys, 0)
-        async_copy.async_copy_global_to_shared(bias_buf, base + offsets, mask=ok)
+        copy_score_tile(bias_buf, BIAS_HEAD + gl.multiple_of(m0.to(gl.int64) * bias_stride_s, [8]),
+                        gl.multiple_of(rows * bias_stride_s, [8]), rows_ok, n0, seqlen_k, BN, layout)
     if HAS_MASK:
-        base = MASK_HEAD + gl.multiple_of(m0.to(gl.int64) * mask_stride_s, [8])
-        offsets = gl.expand_dims(gl.multiple_of(rows * mask_stride_s, [8]), 1) + gl.expand_dims(keys, 0)
-        async_copy.async_copy_global_to_shared(mask_buf, base + offsets, mask=ok)
+        copy_score_tile(mask_buf, MASK_HEAD + gl.multiple_of(m0.to(gl.int64) * mask_stride_s, [8]),
+                        gl.multiple_of(rows * mask_stride_s, [8]), rows_ok, n0, seqlen_k, BN, layout)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _scores_landed():
-    """The tiles the partition's threads copied (cp.async) are there for all of them: each thread's
-    copies done, then a partition barrier (each copied parts that others read).  The Gluon forward's
-    too, whose partitions are single warpgroups."""
-    async_copy.wait_group(0)
-    _partition_barrier()
-
-
-@gluon.jit
-def _zero_masked(pt, keep):
-    """P^T where `keep` is 1, 0 where it is 0, on P^T's bits (forward_gluon._masked's reason)."""
-    bits = pt.to(gl.int32, bitcast=True) & -(keep.to(gl.int32))
-    return bits.to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -349,10 +307,10 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     the keys' ids k_ids and the queries' ids, from QSEG_ROW, are compared).  SOFTCAP: the scores are
     capped (cap_in = scale / cap; qk_scale is then cap * log2 e), as in the Gluon forward.
     HAS_BIAS, HAS_MASK: the (query head's) bias and attention mask tiles, copied into bias_buf and
-    mask_buf while S^T is computed, join as in the Gluon forward (forward_gluon._fetch_scores): the
+    mask_buf while S^T is computed, join as in the Gluon forward (gluon_shared.copy_score_tile): the
     bias in S's units (bias_in = 1 / scale) before the cap, the mask (0 / 1) zeroing P^T."""
-    s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BN, HEAD_DIM, NUM_WARPS),
+    s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -373,7 +331,7 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     # The previous tile's dK GEMM is still in flight here; this wait retires it too (in order).
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
     if HAS_BIAS or HAS_MASK:
-        _scores_landed()
+        scores_landed()
     if HAS_BIAS:
         st = st + bias_buf.permute((1, 0)).load(s_layout).to(gl.float32) * bias_in
     if SOFTCAP != 0:
@@ -397,7 +355,7 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
                 ok = ok & (gl.expand_dims(k_ids, 1) == gl.expand_dims(q_ids, 0))
             pt = gl.where(ok, pt, 0.0)
     if HAS_MASK:   # (lse may be -inf in a row the mask hides whole: P^T is inf there, before this)
-        pt = _zero_masked(pt, mask_buf.permute((1, 0)).load(s_layout))
+        pt = masked_bits(pt, mask_buf.permute((1, 0)).load(s_layout), 0)
     pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
     if SOFTCAP != 0:   # dS = P (dP - delta) (1 - T^2): T's registers are free once this is folded in
@@ -408,7 +366,7 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     ds_buf = ds_smem.index(r % DS_BUFS)
     ds_buf.store(dst16)
     fence_async_shared()
-    _partition_barrier()  # both warpgroups' halves of dS^T are in shared memory before either reads it all
+    partition_barrier()  # both warpgroups' halves of dS^T are in shared memory before either reads it all
     # Both warpgroups are past their S wait, so the previous tile's dK GEMM (its Q's last reader) is done.
     mbarrier.arrive(qdo_empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
     if DS_BUFS == 2:
@@ -423,7 +381,7 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     dq_bufs.index(b).store(dq * sm_scale)
     fence_async_shared()
     if DS_BUFS == 1:
-        _partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
+        partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
         mbarrier.arrive(dq_ready.index(b), count=1)
     return dk, dv
 
@@ -440,9 +398,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
                        SPARSE_RUNS: gl.constexpr):
-    s_layout: gl.constexpr = _mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
-    kv_layout: gl.constexpr = _mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
-    dq_layout: gl.constexpr = _mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
+    s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
+    kv_layout: gl.constexpr = mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
+    dq_layout: gl.constexpr = mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
     zero_s = gl.zeros([BN, BM], gl.float32, s_layout)
     zero_dq = gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
@@ -519,7 +477,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                         r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
-            _partition_barrier()
+            partition_barrier()
             mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
         # Every read of K and V is done (the last tile's barrier): the load warp may refill them.
         mbarrier.arrive(kv_empty, count=1)

@@ -21,7 +21,7 @@ tile, or causal, a long and a short one) through descriptors over the whole arra
 batch (or TMA's zero padding): keys there are masked, query rows there are not stored.
 Causal is bottom-right (query row m sees key n iff n <= m + diag, diag = Sk - Sq + shift).
 Fully masked rows give O = 0 and lse = -inf.  A bias and an attention mask are copied per warpgroup
-into shared memory a key tile ahead (_fetch_scores) and read where the softmax uses them.  A
+into shared memory a key tile ahead (_fetch_next_scores) and read where the softmax uses them.  A
 block-sparse layout of 128 x 128 blocks: each query tile walks its list of key blocks (_fwd_item).
 What qualifies and the tiles: plan.gluon_forward.
 Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
@@ -33,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .backward_gluon import _mma_layout, _partition_barrier, _scores_landed, capped_tanh
+from .gluon_shared import (NEG_INF_BITS, capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier,
+                           scores_landed)
 from .rules import GLUON_FWD_INTS
 
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
@@ -167,17 +168,6 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
-def _masked(s, keep):
-    """S where `keep` is 1, -inf where it is 0 (the launchers pass masks of 0 and 1), by integer
-    operations on S's bits.  Written as a select on `keep != 0`, LLVM packed each thread's 64
-    predicates into bit masks and out again: the masked forward ran 1.15 ms against 0.66 ms with a
-    bias (H200, 2 x 16 heads x 4096^2, D = 128)."""
-    keep_all = -(keep.to(gl.int32))           # -1 where keep is 1, 0 where it is 0
-    bits = s.to(gl.int32, bitcast=True)
-    return ((bits & keep_all) | (~keep_all & -8388608)).to(gl.float32, bitcast=True)   # -8388608: -inf's bits
-
-
-@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, masked, q_ids, KSEG_ROW, cap_in,
              bias_buf, bias_in, mask_buf, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr,
              EVEN_K: gl.constexpr,
@@ -214,7 +204,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
             ok = ok & (gl.expand_dims(q_ids, 1) == gl.expand_dims(k_ids, 0))
         s = gl.where(ok, s, float("-inf"))
     if HAS_MASK:
-        s = _masked(s, mask_buf.load(s.type.layout))
+        s = masked_bits(s, mask_buf.load(s.type.layout), NEG_INF_BITS)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
@@ -223,26 +213,15 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
 
 
 @gluon.jit
-def _fetch_scores(buf, ROW, row_offsets, row_ok, n0, seqlen_k, BN: gl.constexpr):
-    """Start copying keys n0.. of one query half's rows of a per-score tensor (bias, attention mask)
-    into `buf` (cp.async, zeros outside the sequences).  Issued once the previous tile's softmax
-    has read `buf`, it lands during the next S and P V GEMMs, with no registers holding it (a TMA
-    ring would not fit beside K, V, Q and O).  The plan makes the rows' offsets and Sk multiples
-    of 8 elements (16-byte copies)."""
-    keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, SCORE_COPY_LAYOUT))
-    ptrs = ROW + (gl.expand_dims(row_offsets, 1) + gl.expand_dims(keys, 0))
-    ok = gl.max_constancy(gl.expand_dims(row_ok, 1) & gl.expand_dims(keys < seqlen_k, 0), [1, 8])
-    async_copy.async_copy_global_to_shared(buf, ptrs, mask=ok)
-
-
-@gluon.jit
 def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k,
                        BN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
-    """_fetch_scores of the bias and of the mask at keys n0.., as one commit group."""
+    """Start copying keys n0.. of one query half's rows of the bias and of the mask into their buffers
+    (gluon_shared.copy_score_tile), one commit group: issued once the previous tile's softmax has read
+    them, they land during the next S and P V GEMMs."""
     if HAS_BIAS:
-        _fetch_scores(bias_buf, BIAS_ROW, bias_rows, row_ok, n0, seqlen_k, BN)
+        copy_score_tile(bias_buf, BIAS_ROW, bias_rows, row_ok, n0, seqlen_k, BN, SCORE_COPY_LAYOUT)
     if HAS_MASK:
-        _fetch_scores(mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k, BN)
+        copy_score_tile(mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k, BN, SCORE_COPY_LAYOUT)
     if HAS_BIAS or HAS_MASK:
         async_copy.commit_group()
 
@@ -259,8 +238,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
     (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK)."""
     HM: gl.constexpr = BM // 2
-    s_layout: gl.constexpr = _mma_layout(HM, BN, 4)        # S, P: [HM, BN]
-    o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
+    s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
+    o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -296,13 +275,13 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
         mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
         if HAS_BIAS or HAS_MASK:
-            _scores_landed()
+            scores_landed()
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
                                        (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
                                        bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
                                        SOFTCAP, HAS_BIAS, HAS_MASK)
         if HAS_BIAS or HAS_MASK:
-            _partition_barrier()   # every thread has read the tiles: copy the next ones in
+            partition_barrier()   # every thread has read the tiles: copy the next ones in
             if count > 1:
                 _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
                                    _key_tile(1, n_first, LIST, SPARSE) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
@@ -322,13 +301,13 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
             mbarrier.arrive(k_empty.index(sn), count=1)
             mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
             if HAS_BIAS or HAS_MASK:
-                _scores_landed()
+                scores_landed()
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
                                           (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
                                           bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
                                           SOFTCAP, HAS_BIAS, HAS_MASK)
             if HAS_BIAS or HAS_MASK:
-                _partition_barrier()
+                partition_barrier()
                 if i + 1 < count:
                     _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
                                        _key_tile(i + 1, n_first, LIST, SPARSE) * BN, seqlen_k, BN, HAS_BIAS,
@@ -383,7 +362,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
-    o_layout: gl.constexpr = _mma_layout(HM, HEAD_DIM, 4)
+    o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_bufs.dtype
     q_smem = q_bufs.index(HALF)
@@ -422,7 +401,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 tma.store_wait(0)
                 o_smem.store(out.to(dtype))
                 fence_async_shared()
-                _partition_barrier()
+                partition_barrier()
                 tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head * HEAD_DIM],
                                                 o_smem._reinterpret(dtype, [1, HM, HEAD_DIM], o_desc.layout))
                 lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))

@@ -77,7 +77,7 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
     and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
     query tile and 16-byte-aligned lse rows (lse goes through TMA too).  The soft cap is only
     arithmetic on the scores, which the Triton kernels share with the portable ones (rules.logits
-    and the backward's derivative); the Gluon kernels have it too (backward_gluon.capped_tanh)."""
+    and the backward's derivative); the Gluon kernels have it too (gluon_shared.capped_tanh)."""
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
@@ -343,7 +343,7 @@ def sparse_on_gluon_tiles(sparse: Optional[SparseInfo]) -> bool:
 
 def score_tiles_copyable(shapes: FlashShapes, strides, name: str) -> bool:
     """Whether the Gluon forward can copy tiles of `name` (bias, attention_mask: (B|1, Hq|1, Sq, Sk))
-    in 16-byte pieces (forward_gluon._fetch_scores): every stride it steps by and Sk multiples of 8
+    in 16-byte pieces (gluon_shared.copy_score_tile): every stride it steps by and Sk multiples of 8
     elements, and 64 rows within 2**31 elements (32-bit row offsets).  True where it is absent.
     (Whether its tiles then fit in shared memory is fit.forward's check, on the compiled kernel.)"""
     if name not in strides:
