@@ -33,8 +33,9 @@ from .options import canonical_window
 from .sparse import SparseMask, as_numpy
 
 # `auto` runs blocksparse when the mask leaves fewer than this fraction of the key blocks flash would
-# visit (flash already skips blocks outside the causal/window band): below it, skipping blocks saves
-# more than the block lists cost.
+# visit active (flash already skips blocks outside the causal/window band and, with segment ids, outside
+# each tile's span of shared id ranges: MaskInfo.block_density): below it, skipping blocks saves more
+# than the block lists cost.
 AUTO_BLOCKSPARSE_DENSITY = 0.5
 # Tile of the layouts `auto` / `blocksparse` build from segment ids.
 AUTO_BLOCK = 64
@@ -215,6 +216,28 @@ def _segment_block_map(q_ids: np.ndarray, kv_ids: np.ndarray, block_q: int, bloc
     return np.einsum("bip,biq->bpq", q_has, k_has)[:, None]
 
 
+def _block_id_ranges(ids: np.ndarray, block: int):
+    """(min, max) id of each block of `block` tokens, (B, n) each (a partial last block: its own ids)."""
+    batch, s = ids.shape
+    n = -(-s // block)
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], n * block - s, axis=1)], axis=1).reshape(batch, n, block)
+    return padded.min(-1), padded.max(-1)
+
+
+def _segment_span_map(q_ids: np.ndarray, kv_ids: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """(B, 1, nq, nk): the key blocks flash visits for each query block with segment ids, before the
+    causal/window band: from the first to the last key block whose id range meets the query block's
+    (kernels/flash/segments.py: the per-tile ranges every flash kernel narrows its loop to)."""
+    q_min, q_max = _block_id_ranges(q_ids, block_q)
+    k_min, k_max = _block_id_ranges(kv_ids, block_k)
+    meets = (k_max[:, None, :] >= q_min[:, :, None]) & (k_min[:, None, :] <= q_max[:, :, None])
+    nk = meets.shape[-1]
+    first = np.where(meets.any(-1), meets.argmax(-1), nk)
+    last = nk - 1 - meets[..., ::-1].argmax(-1)
+    cols = np.arange(nk)
+    return ((cols >= first[..., None]) & (cols <= last[..., None]))[:, None]
+
+
 class MaskInfo:
     """Which (query, key) pairs may attend, built once per batch and shared by every layer.
 
@@ -311,14 +334,20 @@ class MaskInfo:
     def block_density(self, *, heads: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
                       sliding_window=None, block: Optional[int] = None) -> Optional[float]:
         """Active blocks of the layout (given, or built from the segment ids) over the blocks flash
-        would visit (those the causal/window band touches); None when it cannot be known now."""
+        would visit: those the causal/window band touches, and with segment ids only those inside
+        each query block's span of key blocks with a shared id range (_segment_span_map); None when
+        it cannot be known now."""
         layout = self.layout or self.segment_layout(heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                     causal=causal, sliding_window=sliding_window, block=block)
         if layout is None:
             return None
-        band = _band_map(seqlen_q, seqlen_k, causal, sliding_window, layout.block_q, layout.block_k)
-        visited = band.sum() * layout.block_map.shape[0] * layout.block_map.shape[1]
-        return float((layout.block_map & band).sum()) / max(float(visited), 1.0)
+        visited = np.broadcast_to(_band_map(seqlen_q, seqlen_k, causal, sliding_window, layout.block_q,
+                                            layout.block_k), layout.block_map.shape)
+        if self.q_segment_ids is not None and not _is_symbolic(self.q_segment_ids) \
+                and not _is_symbolic(self.kv_segment_ids):
+            visited = visited & _segment_span_map(as_numpy(self.q_segment_ids), as_numpy(self.kv_segment_ids),
+                                                  layout.block_q, layout.block_k)
+        return float((layout.block_map & visited).sum()) / max(float(visited.sum()), 1.0)
 
     def __repr__(self):
         parts = [f"{k}={getattr(v, 'shape', v)!r}" if k != "layout" else f"layout={v.shape}"

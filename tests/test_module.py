@@ -92,22 +92,29 @@ def test_padding_mask_info_equals_a_dense_mask(torch_gen):
     assert out[1, 20:].abs().max() == 0
 
 
-def test_auto_picks_blocksparse_for_sparse_documents_and_flash_otherwise(torch_gen, monkeypatch):
+def test_auto_picks_blocksparse_where_flash_cannot_skip_and_flash_otherwise(torch_gen, monkeypatch):
+    """Flash narrows each query tile to the key tiles between the first and the last whose ids meet its
+    own (kernels/flash/segments.py), so documents packed in order run flash; interleaved ones, whose
+    span flash must visit whole, run blocksparse."""
     monkeypatch.setattr(mod, "AUTO_BLOCK", 32)   # 32-token tiles keep the interpreted problem small
-    q, k, v = _qkv(torch_gen, b=1, s=128, hq=2, hkv=2)
-    docs = torch.arange(128).div(32, rounding_mode="floor")[None]     # 4 documents of 32 tokens
-    sparse_info = dualattn.MaskInfo(q_segment_ids=docs)
-    dense_info = dualattn.MaskInfo(q_segment_ids=torch.zeros(1, 128, dtype=torch.int64))
-    # 4 of the 10 causal-band blocks are active (0.4 < 0.5); one document keeps them all.
-    assert sparse_info.block_density(heads=2, seqlen_q=128, seqlen_k=128, causal=True) == pytest.approx(0.4)
-    assert mod.choose_algorithm(q, k, sparse_info, causal=True) == "blocksparse"
-    assert mod.choose_algorithm(q, k, dense_info, causal=True) == "flash"
+    q, k, v = _qkv(torch_gen, b=1, s=256, hq=2, hkv=2)
+    in_order = dualattn.MaskInfo(q_segment_ids=torch.arange(256).div(32, rounding_mode="floor")[None])
+    # four streams of 32-token blocks, interleaved: block j holds stream j % 4
+    interleaved = dualattn.MaskInfo(q_segment_ids=torch.arange(256).div(32, rounding_mode="floor")[None] % 4)
+    dense_info = dualattn.MaskInfo(q_segment_ids=torch.zeros(1, 256, dtype=torch.int64))
+    # each query block's span is its own block: everything flash visits is active
+    assert in_order.block_density(heads=2, seqlen_q=256, seqlen_k=256, causal=True) == pytest.approx(1.0)
+    # not causal: each query block spans 5 key blocks (its stream's first to last), 2 of them its stream's
+    assert interleaved.block_density(heads=2, seqlen_q=256, seqlen_k=256) == pytest.approx(0.4)
+    assert mod.choose_algorithm(q, k, interleaved) == "blocksparse"
+    for info in (in_order, dense_info):
+        assert mod.choose_algorithm(q, k, info, causal=True) == "flash"
     assert mod.choose_algorithm(q, k, None) == "flash"
     ran = []
     real = mod.get_implementation
     monkeypatch.setattr(mod, "get_implementation", lambda a, p, b="auto": ran.append(a) or real(a, p, b))
-    out = dualattn.attention(q, k, v, causal=True, mask_info=sparse_info)
-    ref = dualattn.attention(q, k, v, causal=True, mask_info=sparse_info, algorithm="flash")
+    out = dualattn.attention(q, k, v, mask_info=interleaved)
+    ref = dualattn.attention(q, k, v, mask_info=interleaved, algorithm="flash")
     assert ran == ["blocksparse", "flash"]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
