@@ -14,6 +14,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from .. import executor
 from ..kernels.flash import fit
@@ -86,25 +87,32 @@ def _flash_triton(static: _Static, arrays: dict):
 
 
 def _flash_triton_fwd(static: _Static, arrays: dict):
-    out, lse = _forward(static, arrays)
-    return (out, lse), (arrays, out, lse)
+    """With symbolic zeros each array comes as a CustomVJPPrimal: its value, and whether anything
+    differentiates it.  A bias nobody differentiates (an ALiBi or a fixed table closed over) then
+    gets no dbias: the backward plans without it (plan_backward's bias_grad), which lets the one-pass
+    kernel run.  That choice is static, so it rides in the residuals' structure: () or None."""
+    values = {n: None if a is None else a.value for n, a in arrays.items()}
+    bias = arrays.get("bias")
+    out, lse = _forward(static, values)
+    return (out, lse), (values, out, lse, () if bias is not None and bias.perturbed else None)
 
 
 def _flash_triton_bwd(static: _Static, residuals, cotangents):
-    arrays, out, lse = residuals
-    dout, dlse = cotangents  # custom_vjp instantiates a zero cotangent for an unused output
+    arrays, out, lse, bias_grad = residuals
+    bias_grad = bias_grad is not None
+    dout, dlse = (jnp.zeros_like(x) if isinstance(c, SymbolicZero) else c for c, x in zip(cotangents, (out, lse)))
     shapes = static.shapes
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     plan = _plan(static, flash_plan.plan_backward, fit.backward, a,
                  {**_strides(arrays), "out": row_major_strides(out.shape)}, lse_grad=True,
-                 deterministic=static.deterministic)
+                 deterministic=static.deterministic, bias_grad=bias_grad)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = dict(_launch.run(plan.dkdv, a))
     grads.update(_launch.run(plan.dq, {**a, **grads}))
     cot = {n: None for n in arrays}
     cot.update(query=grads["dquery"], key=grads["dkey"], value=grads["dvalue"])
-    if arrays.get("bias") is not None:
+    if bias_grad:
         dims = flash_plan.dbias_sum_dims(shapes)
         dbias = grads["dbias"].sum(axis=dims, keepdims=True) if dims else grads["dbias"]
         cot["bias"] = dbias.astype(arrays["bias"].dtype)
@@ -116,7 +124,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
     return ({n: None if g is None else vary_like(g, arrays[n]) for n, g in cot.items()},)
 
 
-_flash_triton.defvjp(_flash_triton_fwd, _flash_triton_bwd)
+_flash_triton.defvjp(_flash_triton_fwd, _flash_triton_bwd, symbolic_zeros=True)
 
 
 def _seed_array(dropout_prob: float, dropout_seed):

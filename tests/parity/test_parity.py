@@ -136,6 +136,28 @@ def test_lse_cotangent_same_in_torch_jax_triton_and_xla(name, shapes, opts, rng)
             assert relative_error(t[key], plain[key]) > 1e-3, f"{key}: the lse cotangent changed nothing"
 
 
+def test_jax_bias_nobody_differentiates_gets_no_dbias(rng, monkeypatch):
+    """A bias closed over (an ALiBi or a fixed table) reaches the custom VJP unperturbed: the backward
+    plans no dbias (plan_backward's bias_grad, as torch's bias without requires_grad), and dQ, dK, dV
+    are those of the call that differentiates the bias too.  A grad of lse alone (a symbolic zero
+    for the output) works as well."""
+    from dualattn.kernels.flash import plan as flash_plan
+    asked, real = [], flash_plan.plan_backward
+    monkeypatch.setattr(flash_plan, "plan_backward", lambda *a, **k: asked.append(k["bias_grad"]) or real(*a, **k))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 48, 2, 16)).astype(np.float32)) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal((1, 2, 48, 48)).astype(np.float32))
+
+    def attn(q, k, v, b):
+        return dj.flash_attention(q, k, v, bias=b, causal=True, backend="triton")
+    fixed = jax.grad(lambda *x: attn(*x, bias).sum(), argnums=(0, 1, 2))(q, k, v)
+    learned = jax.grad(lambda *x: attn(*x).sum(), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert asked == [False, True]
+    for a, b in zip(fixed, learned[:3]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    dq = jax.grad(lambda q: dj.flash_attention(q, k, v, causal=True, backend="triton", return_lse=True)[1].sum())(q)
+    assert dq.shape == q.shape and bool(jnp.isfinite(dq).all())
+
+
 def test_dropout_drops_the_same_entries_in_torch_and_jax(rng):
     b, s, h, d, p, seed = 1, 64, 2, 32, 0.3, 1234
     x = {n: rng.standard_normal((b, s, h, d)).astype(np.float32) for n in ("query", "key", "value")}
@@ -369,12 +391,13 @@ def test_gpu_soft_cap_on_the_gluon_kernels_is_the_same_in_both(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, causal, with_bias, with_mask", [(128, True, True, False), (64, False, True, True),
-                                                             (128, False, False, True)])
-def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, causal, with_bias, with_mask):
-    """A bias and an attention mask on the Gluon forward, and a mask alone on the one-pass backward
-    too: the same bits in both frameworks.  (A bias's backward there runs the portable kernels in
-    both: JAX always asks for dbias, so the torch bias here needs its gradient too.)"""
+@pytest.mark.parametrize("d, causal, bias, with_mask", [(128, True, "learned", False), (128, True, "fixed", False),
+                                                        (64, False, "fixed", True), (128, False, None, True)])
+def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, causal, bias, with_mask):
+    """A bias and an attention mask on the Gluon forward, and on the one-pass backward where no dbias is
+    wanted: the same bits in both frameworks.  A "fixed" bias is one nothing differentiates (torch: no
+    requires_grad; JAX: closed over, so the custom VJP sees it unperturbed); a "learned" one runs the
+    portable backward in both, which writes dbias, compared too."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels run on sm_90 only")
     from plan_spy import spy_chains, spy_kernels
@@ -383,14 +406,25 @@ def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch
     tensors = _gpu_inputs(3, 2, 4096, 4, d)
     gen = torch.Generator(device="cuda").manual_seed(4)
     options = {}
-    if with_bias:
-        options["bias"] = torch.randn(2, 4, 4096, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-        options["bias"].requires_grad_()
     if with_mask:
         options["attention_mask"] = torch.rand(2, 1, 4096, 4096, device="cuda", generator=gen) < 0.8
-    t, j = _gpu_both(tensors, causal, **options)
-    one_pass = not with_bias
-    _assert_same_bits(t, j, one_pass=one_pass)
+    if bias is None or bias == "fixed":
+        if bias == "fixed":
+            options["bias"] = torch.randn(2, 4, 4096, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        t, j = _gpu_both(tensors, causal, **options)
+        _assert_same_bits(t, j, one_pass=True)
+    else:
+        tb = torch.randn(2, 4, 4096, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        leaves = [x.detach().requires_grad_() for x in (*tensors[:3], tb)]
+        to = dt.flash_attention(*leaves[:3], bias=leaves[3], causal=causal, **options)
+        t = [to.detach(), *(g.detach() for g in torch.autograd.grad(to, leaves, tensors[3]))]
+        jo, vjp = jax.vjp(jax.jit(lambda a, b_, c, e: dj.flash_attention(a, b_, c, bias=e, causal=causal,
+                                                                          backend="triton")),
+                          *(jax.dlpack.from_dlpack(x) for x in (*tensors[:3], tb)))
+        j = [torch.from_dlpack(a) for a in (jo, *vjp(jax.dlpack.from_dlpack(tensors[3])))]
+        _assert_same_bits(t[:4], j[:4], one_pass=False)
+        assert torch.equal(t[4].view(torch.int16), j[4].view(torch.int16)), "dbias"
+    one_pass = bias != "learned"
     assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains
     assert set(backward_kernels) == {"flash_bwd_one_pass_kernel" if one_pass else "flash_bwd_dkdv_kernel"}
 
