@@ -99,8 +99,14 @@ def _flash_triton_fwd(static: _Static, arrays: dict):
 
 def _flash_triton_bwd(static: _Static, residuals, cotangents):
     arrays, out, lse, bias_grad = residuals
-    bias_grad = bias_grad is not None
     dout, dlse = (jnp.zeros_like(x) if isinstance(c, SymbolicZero) else c for c, x in zip(cotangents, (out, lse)))
+    return (_backward(static, arrays, out, lse, dout, dlse, bias_grad is not None),)
+
+
+def _backward(static: _Static, arrays: dict, out, lse, dout, dlse, bias_grad: bool) -> dict:
+    """The cotangent of each of `arrays` (None where it has none) from the forward's out and lse:
+    the custom VJP's backward, and each step of the ring's (jax_api/ring.py).  bias_grad: whether
+    dbias is wanted (plan_backward)."""
     shapes = static.shapes
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     plan = _plan(static, flash_plan.plan_backward, fit.backward, a,
@@ -121,7 +127,7 @@ def _flash_triton_bwd(static: _Static, residuals, cotangents):
         sinks = arrays["softmax_aux"]
         cot["softmax_aux"] = pre["dsinks_partial"].reshape(view).sum(axis=dims).reshape(sinks.shape).astype(
             sinks.dtype)
-    return ({n: None if g is None else vary_like(g, arrays[n]) for n, g in cot.items()},)
+    return {n: None if g is None else vary_like(g, arrays[n]) for n, g in cot.items()}
 
 
 _flash_triton.defvjp(_flash_triton_fwd, _flash_triton_bwd, symbolic_zeros=True)

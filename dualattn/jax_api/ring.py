@@ -86,7 +86,7 @@ def _block_backward(static: _RingStatic, block, q, k, v, q_seg, kv_seg, out, lse
     """(dq, dk, dv) of one block from the merged out / lse (P = exp(s - lse))."""
     if static.backend == "triton":
         st, arrays = _triton_block(q, k, v, q_seg, kv_seg, static.options, block, static.deterministic)
-        grads = flash._flash_triton_bwd(st, (arrays, out, lse), (dout, dlse))[0]
+        grads = flash._backward(st, arrays, out, lse, dout, dlse, bias_grad=False)   # (a ring takes no bias)
         return grads["query"], grads["key"], grads["value"]
     from .xla import flash_attention_backward_xla
     qp, kp = _xla_positions(block, q.shape[1], k.shape[1])

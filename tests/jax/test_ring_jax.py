@@ -99,6 +99,9 @@ SCRIPT = textwrap.dedent("""
                    dict(world=2, backend="triton", layout="contiguous", dtype="bfloat16", sliding_window=(6, 2),
                         logits_soft_cap=3.0, segments=True, sinks=(3,)),
                    dict(world=1, backend="triton", layout="zigzag", dtype="bfloat16", causal=True, sinks=(4,))],
+        # one small case of the triton ring, forward and backward (the full set above is slow)
+        "triton-one": [dict(world=2, backend="triton", layout="zigzag", dtype="float32", causal=True, heads=(2, 1),
+                            seq_len=16)],
     }
     for spec in CASES[sys.argv[2]]:
         check(**spec)
@@ -183,3 +186,8 @@ def test_ring_attention_in_shard_map_xla():
 @pytest.mark.slow   # the interpreted kernels under shard_map: minutes on two cores
 def test_ring_attention_in_shard_map_triton():
     _run("triton")
+
+
+def test_ring_attention_in_shard_map_triton_one_case():
+    """Every CI run takes the triton ring's forward and backward through one small case."""
+    _run("triton-one")
