@@ -272,6 +272,7 @@ class MaskInfo:
         self.kv_segment_ids = kv_segment_ids
         self.layout = layout
         self._layouts: Dict[tuple, Optional[SparseMask]] = {}
+        self._densities: Dict[tuple, Optional[float]] = {}   # block_density per arguments: the ids read once
         _register_pytree()
 
     # -- constructors ---------------------------------------------------------------------------
@@ -319,8 +320,7 @@ class MaskInfo:
         if self.q_segment_ids is None or _is_symbolic(self.q_segment_ids) or _is_symbolic(self.kv_segment_ids):
             return None
         block = block or AUTO_BLOCK
-        key = (heads, seqlen_q, seqlen_k, causal, sliding_window if not isinstance(sliding_window, list)
-               else tuple(sliding_window), block)
+        key = _arguments_key(heads, seqlen_q, seqlen_k, causal, sliding_window, block)
         if key not in self._layouts:
             q_ids, kv_ids = as_numpy(self.q_segment_ids), as_numpy(self.kv_segment_ids)
             if q_ids.shape[1] != seqlen_q or kv_ids.shape[1] != seqlen_k:
@@ -336,7 +336,17 @@ class MaskInfo:
         """Active blocks of the layout (given, or built from the segment ids) over the blocks flash
         would visit: those the causal/window band touches, and with segment ids only those inside
         each query block's span of key blocks with a shared id range (_segment_span_map); None when
-        it cannot be known now."""
+        it cannot be known now.  Cached per arguments, as the layout is: reading the ids is a device
+        to host copy, which every call of `auto` would otherwise make."""
+        key = _arguments_key(heads, seqlen_q, seqlen_k, causal, sliding_window, block or AUTO_BLOCK)
+        density = self._densities.get(key)
+        if density is None:
+            density = self._block_density(heads, seqlen_q, seqlen_k, causal, sliding_window, block)
+            if density is not None:   # (None: the ids are traced now; a later call may know them)
+                self._densities[key] = density
+        return density
+
+    def _block_density(self, heads, seqlen_q, seqlen_k, causal, sliding_window, block) -> Optional[float]:
         layout = self.layout or self.segment_layout(heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                                     causal=causal, sliding_window=sliding_window, block=block)
         if layout is None:
@@ -353,6 +363,12 @@ class MaskInfo:
         parts = [f"{k}={getattr(v, 'shape', v)!r}" if k != "layout" else f"layout={v.shape}"
                  for k, v in self.fields().items()]
         return f"MaskInfo({', '.join(parts)})"
+
+
+def _arguments_key(heads, seqlen_q, seqlen_k, causal, sliding_window, block) -> tuple:
+    """What a MaskInfo's cached layout and density depend on (a window given as a list made hashable)."""
+    window = tuple(sliding_window) if isinstance(sliding_window, list) else sliding_window
+    return heads, seqlen_q, seqlen_k, causal, window, block
 
 
 def _band_map(seqlen_q: int, seqlen_k: int, causal: bool, sliding_window, block_q: int, block_k: Optional[int] = None):
@@ -378,7 +394,7 @@ def _register_pytree() -> None:
     def unflatten(layout, children):
         info = MaskInfo.__new__(MaskInfo)
         info.attention_mask, info.q_segment_ids, info.kv_segment_ids = children
-        info.layout, info._layouts = layout, {}
+        info.layout, info._layouts, info._densities = layout, {}, {}
         return info
 
     with _LOCK:
