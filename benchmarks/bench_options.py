@@ -103,6 +103,8 @@ def _cases() -> List[Case]:
               Case("plain_d192", 2, 4096, 8, 192, False),
               Case("plain_d96", 2, 4096, 16, 96, False),
               Case("dropout", 2, 4096, 16, 128, False, dropout=DROPOUT),
+              Case("dropout_causal", 2, 4096, 16, 128, True, dropout=DROPOUT),
+              Case("dropout_d64", 2, 4096, 32, 64, False, dropout=DROPOUT),
               Case("bias", 2, 4096, 16, 128, False, bias=True),
               Case("mask", 2, 4096, 16, 128, False, mask=True),
               Case("bias_causal", 2, 4096, 16, 128, True, bias=True),

@@ -28,6 +28,12 @@ from typing import Optional, Tuple, Union
 Window = Union[None, int, Tuple[Optional[int], Optional[int]]]
 
 
+def dropout_threshold(dropout_prob: float) -> int:
+    """The 32-bit threshold of the dropout hash (kernels/flash/rules.dropout_keep): an entry is kept
+    iff its hash, uniform on [0, 2**32), is >= round(p * 2**32) (at most 2**32 - 1)."""
+    return min(int(round(float(dropout_prob) * (1 << 32))), (1 << 32) - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashOptions:
     """Canonical static options of one attention call (no tensors)."""

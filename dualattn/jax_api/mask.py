@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..options import FlashOptions
+from ..options import FlashOptions, dropout_threshold
 from ..validation import segment_id_dtype
 
 _LOWBIAS_M1 = 0x7FEB352D
@@ -44,19 +44,16 @@ def _mix32(x):
 def dropout_keep(seed, batch_head, row, col, dropout_prob: float):
     """Keep-mask of dropout: a pure function of (seed, b * Hq + h, i, j), identical to the Triton kernels.
 
-    hash = mix(mix(mix(seed ^ bh * 0x27D4EB2F) ^ i) ^ j); keep iff (hash >> 8) >= round(p * 2**24).
-    All integer arguments broadcast; `row`/`col` are local positions inside the sequence.
+    r = mix(mix(seed ^ bh * 0x27D4EB2F) ^ i); h = (r ^ j) * M1; h ^= h >> 15; h *= M2;
+    keep iff h >= options.dropout_threshold(p).  All integer arguments broadcast; `row`/`col` are
+    local positions inside the sequence.
     """
     u32 = jnp.uint32
-    h = _mix32(jnp.asarray(seed).astype(u32) ^ (jnp.asarray(batch_head).astype(u32) * u32(_HEAD_MUL)))
-    h = _mix32(h ^ jnp.asarray(row).astype(u32))
-    h = _mix32(h ^ jnp.asarray(col).astype(u32))
-    return (h >> 8) >= u32(dropout_threshold(dropout_prob))
-
-
-def dropout_threshold(dropout_prob: float) -> int:
-    """The 24-bit integer threshold shared with the Triton kernels."""
-    return int(round(float(dropout_prob) * (1 << 24)))
+    r = _mix32(jnp.asarray(seed).astype(u32) ^ (jnp.asarray(batch_head).astype(u32) * u32(_HEAD_MUL)))
+    r = _mix32(r ^ jnp.asarray(row).astype(u32))
+    h = (r ^ jnp.asarray(col).astype(u32)) * u32(_LOWBIAS_M1)
+    h = (h ^ (h >> 15)) * u32(_LOWBIAS_M2)
+    return h >= u32(dropout_threshold(dropout_prob))
 
 
 def sanitize_cu_seqlens(cu_seqlens, total: int):

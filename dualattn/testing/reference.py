@@ -258,20 +258,22 @@ def _lowbias32(x: np.ndarray) -> np.ndarray:
 
 
 def dropout_keep_reference(seed, batch, heads, seqlen_q, seqlen_k, dropout_prob) -> np.ndarray:
-    """Keep mask (B, H, Sq, Sk) bool of the documented hash (dualattn/jax_api/mask.py):
+    """Keep mask (B, H, Sq, Sk) bool of the documented hash (dualattn/kernels/flash/rules.py):
 
-    hash = mix(mix(mix(seed ^ (b*H + h) * 0x27D4EB2F) ^ i) ^ j); keep iff (hash >> 8) >= round(p * 2**24).
+    r = mix(mix(seed ^ (b*H + h) * 0x27D4EB2F) ^ i); x = (r ^ j) * M1; x ^= x >> 15; x *= M2;
+    keep iff x >= min(round(p * 2**32), 2**32 - 1).
     """
     seed = np.uint32(int(seed) & 0xFFFFFFFF)
     bh = np.arange(batch * heads, dtype=np.uint64).astype(np.uint32).reshape(batch, heads, 1, 1)
     i = np.arange(seqlen_q, dtype=np.uint32).reshape(1, 1, seqlen_q, 1)
     j = np.arange(seqlen_k, dtype=np.uint32).reshape(1, 1, 1, seqlen_k)
     with np.errstate(over="ignore"):
-        h = _lowbias32(seed ^ (bh * _HEAD_MUL).astype(np.uint32))
-    h = _lowbias32(h ^ i)
-    h = _lowbias32(h ^ j)
-    threshold = np.uint32(int(round(float(dropout_prob) * (1 << 24))))
-    return (h >> np.uint32(8)) >= threshold
+        r = _lowbias32(seed ^ (bh * _HEAD_MUL).astype(np.uint32))
+        r = _lowbias32(r ^ i)
+        x = ((r ^ j) * _M1).astype(np.uint32)
+        x = ((x ^ (x >> np.uint32(15))) * _M2).astype(np.uint32)
+    threshold = np.uint32(min(int(round(float(dropout_prob) * 2 ** 32)), 2 ** 32 - 1))
+    return x >= threshold
 
 
 def relative_error(a, b) -> float:

@@ -216,7 +216,10 @@ def _plan(plan_fn, fit_fn, a: dict, *args, **kwargs):
 def _seed_tensor(dropout_prob: float, dropout_seed: int, device) -> Optional[Tensor]:
     if dropout_prob == 0.0:
         return None
-    return torch.tensor([as_int32(dropout_seed)], dtype=torch.int32, device=device)
+    # torch.full writes it on the device: torch.tensor([seed]) copies from pageable host memory, which
+    # waits for the stream's earlier work, so every call with dropout stalled the host (a forward of
+    # ~0.6 ms ran at 360 TFLOP/s where the kernel gives 450: benchmarks/NOTES.md, dropout).
+    return torch.full((1,), as_int32(dropout_seed), dtype=torch.int32, device=device)
 
 
 def _flash_fwd_impl(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor], attention_mask: Optional[Tensor],

@@ -490,6 +490,12 @@ def test_dropout_keep_fraction(p):
     assert (per_bh - (1 - p)).abs().max() < 6 * (p * (1 - p) / (S * S)) ** 0.5
     assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1]) and not torch.equal(keep[0, 0], keep[0, 1])
     assert not torch.equal(keep[0, 0], keep[1, 0])
+    # neighbours are uncorrelated: along keys (the hash's per-entry part), along queries and heads
+    z = keep.double() - keep.double().mean()
+    for a, b in ((z[..., :-1], z[..., 1:]), (z[..., :-2], z[..., 2:]), (z[..., :-8], z[..., 8:]),
+                 (z[:, :, :-1], z[:, :, 1:]), (z[:, :-1], z[:, 1:])):
+        corr = float((a * b).mean() / z.var())
+        assert abs(corr) < 5 / a.numel() ** 0.5, corr
 
 
 def _dropout_inputs(gen, B=2, S=48, Hq=4, Hkv=2, D=32, dtype=torch.float32):

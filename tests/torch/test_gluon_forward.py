@@ -122,7 +122,7 @@ def test_plan_takes_the_gluon_forward_for_documents():
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
     for kwargs in (dict(gluon=False), dict(d=96),
-                   dict(dtype="float32"), dict(dropout_prob=0.1),
+                   dict(dtype="float32"),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
     for window in ((64, None), (64, 64), (None, 64)):   # windows other than causal or causal with a left side

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .gluon_shared import capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier, scores_landed
-from .rules import ONE_PASS_INTS
+from .rules import ONE_PASS_INTS, dropout_keep, dropout_row_hash
 
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -297,10 +297,10 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
 def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
           ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
           seqlen_q, seqlen_k, k_ids, QSEG_ROW, cap_in, BIAS_HEAD, bias_stride_s, bias_in, bias_buf, MASK_HEAD,
-          mask_stride_s, mask_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-          DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr, DS_BUFS: gl.constexpr,
-          WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-          HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
+          mask_stride_s, mask_buf, dropout, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr,
+          DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr,
+          SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, DROPOUT: gl.constexpr):
     """One (key tile, query tile m0) step at ring position r.  MASK (and at run time `masked`, which
     the block-sparse loop decides per tile): the tile straddles the diagonal
     or, WINDOW, the window's far edge, or, SEGMENTS, lies outside the key tile's one-id run (then
@@ -308,7 +308,11 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     capped (cap_in = scale / cap; qk_scale is then cap * log2 e), as in the Gluon forward.
     HAS_BIAS, HAS_MASK: the (query head's) bias and attention mask tiles, copied into bias_buf and
     mask_buf while S^T is computed, join as in the Gluon forward (gluon_shared.copy_score_tile): the
-    bias in S's units (bias_in = 1 / scale) before the cap, the mask (0 / 1) zeroing P^T."""
+    bias in S's units (bias_in = 1 / scale) before the cap, the mask (0 / 1) zeroing P^T.
+    DROPOUT: `dropout` = (seed, batch * Hq + query head, threshold, 1 / (1 - p)): dV takes the kept
+    probabilities (rules.dropout_keep, the forward's hash; the caller scales dV by 1 / (1 - p)), and
+    dS = P (dP - delta) takes dP only where kept, times 1 / (1 - p).  Which entries are kept rides in
+    P^T's sign bit from the dV GEMM to dS (P >= 0), so no mask tile stays live across the dP^T wait."""
     s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
@@ -356,13 +360,22 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
             pt = gl.where(ok, pt, 0.0)
     if HAS_MASK:   # (lse may be -inf in a row the mask hides whole: P^T is inf there, before this)
         pt = masked_bits(pt, mask_buf.permute((1, 0)).load(s_layout), 0)
-    pt16 = pt.to(dtype)
+    if DROPOUT:   # dropped entries: -P^T
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        row_hash = dropout_row_hash(dropout[0], dropout[1], m0 + gl.arange(0, BM, layout=col_layout))
+        pt = gl.where(dropout_keep(row_hash, keys, dropout[2], True), pt, -pt)
+        pt16 = gl.maximum(pt, 0.0).to(dtype)
+    else:
+        pt16 = pt.to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
     if SOFTCAP != 0:   # dS = P (dP - delta) (1 - T^2): T's registers are free once this is folded in
         pt = pt * (1.0 - tt * tt)
     delta = delta_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-    dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    if DROPOUT:   # (a dropped entry of P = 0 is -0.0: its dS is 0 whichever dP it takes)
+        dst16 = (gl.abs(pt) * (gl.where(pt < 0.0, 0.0, dpt * dropout[3]) - gl.expand_dims(delta, 0))).to(dtype)
+    else:
+        dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
     ds_buf = ds_smem.index(r % DS_BUFS)
     ds_buf.store(dst16)
     fence_async_shared()
@@ -392,12 +405,12 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
                        diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
                        seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_buf, MASK, mask_strides, mask_buf,
-                       HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       DROPOUT_SEED, dropout_threshold, dropout_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
                        CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
                        SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
-                       SPARSE_RUNS: gl.constexpr):
+                       SPARSE_RUNS: gl.constexpr, DROPOUT: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
     kv_layout: gl.constexpr = mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
     dq_layout: gl.constexpr = mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
@@ -405,6 +418,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
     zero_dq = gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
+    dropout_seed = 0
+    if DROPOUT:
+        dropout_seed = gl.load(DROPOUT_SEED)
     r = 0
     for i in range(_item_count(w_first, w_end, w_step, PERSISTENT and (CAUSAL or SPARSE_BLOCK_Q > 0))):
         batch, kv_head, n0, _, _, _, _, _, i_start, n_local, plain_lo, plain_hi, sparse_row = _work_item(
@@ -430,6 +446,8 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             head = (kv_head * GROUP + g).to(gl.int64)
             bias_head = BIAS + gl.multiple_of(batch.to(gl.int64) * bias_strides[0] + head * bias_strides[1], [8])
             mask_head = MASK + gl.multiple_of(batch.to(gl.int64) * mask_strides[0] + head * mask_strides[1], [8])
+            dropout = (dropout_seed, batch * (num_heads_kv * GROUP) + kv_head * GROUP + g, dropout_threshold,
+                       dropout_scale)
             if SPARSE_BLOCK_Q > 0:
                 # the listed query tiles: unmasked only inside the rules' unmasked run (_work_item)
                 n_visit, LIST, first = _sparse_query_tiles(sparse, sparse_row, g, BM, SPARSE_BLOCK_Q, SPARSE_RUNS)
@@ -439,9 +457,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                    window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem,
                                    dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale,
                                    zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head,
-                                   bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2], mask_buf, HEAD_DIM,
+                                   bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM,
                                    BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
-                                   HAS_BIAS, HAS_MASK)
+                                   HAS_BIAS, HAS_MASK, DROPOUT)
                     r += 1
             else:
                 # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
@@ -453,17 +471,17 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                        v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
                                        do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
                                        seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
-                                       bias_buf, mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES,
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES,
                                        DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS,
-                                       HAS_MASK)
+                                       HAS_MASK, DROPOUT)
                         r += 1
                 for j in range(plain_lo, plain_hi):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, True, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
                                    seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
-                                   mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
-                                   False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
+                                   mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
+                                   False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, DROPOUT)
                     r += 1
                 if WINDOW or SEGMENTS or not EVEN_K:
                     for j in range(plain_hi, n_local):
@@ -471,9 +489,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                        v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
                                        do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
                                        seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
-                                       bias_buf, mask_head, mask_strides[2], mask_buf, HEAD_DIM, BM, BN, STAGES,
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES,
                                        DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS,
-                                       HAS_MASK)
+                                       HAS_MASK, DROPOUT)
                         r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
@@ -487,6 +505,8 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
         b64 = batch.to(gl.int64)
         gl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + key_rows * stride_dks + cols,
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=in_bounds)
+        if DROPOUT:   # dV took the kept probabilities unscaled (_tile)
+            dv = dv * dropout_scale
         gl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + key_rows * stride_dvs + cols,
                  dv.to(DV.dtype.element_ty), mask=in_bounds)
 
@@ -494,18 +514,18 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
 @gluon.jit(do_not_specialize=ONE_PASS_INTS)
 def flash_bwd_one_pass_kernel(
     Q, K, V, DO, LSE, DELTA, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK, SPARSE_Q_COUNT, SPARSE_Q_INDEX, SPARSE_K_ORDER,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    DROPOUT_SEED, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
     batch, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
     softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
-    sparse_kstride_b, sparse_kstride_h, num_q_blocks,
+    sparse_kstride_b, sparse_kstride_h, num_q_blocks, dropout_threshold, dropout_scale,
     DK, DV, DQ_ACCUM, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
     PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
     SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
-    SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr,
+    SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
     # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
@@ -516,7 +536,8 @@ def flash_bwd_one_pass_kernel(
     # DESC_SCRATCH: where jax-triton launches keep the descriptors (jax_api/_scratch.py); Triton's
     # launcher brings its own scratch.  SPARSE_BLOCK_Q: a block-sparse layout of SPARSE_BLOCK_Q x BLOCK_N
     # blocks (dualattn.SparseMask's query-block lists, _work_item), 0 where there is none; SPARSE_RUNS:
-    # its every key block's query blocks are one run (_sparse_query_tiles).
+    # its every key block's query blocks are one run (_sparse_query_tiles).  DROPOUT: DROPOUT_SEED holds the
+    # seed (int32, shape (1,)); the forward's entries are dropped (_tile).
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -618,9 +639,10 @@ def flash_bwd_one_pass_kernel(
                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step,
                               seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
                               SEGMENT_RANGES, sparse, seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in,
-                              bias_buf, MASK, mask_strides, mask_buf, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT, DS_BUFS, WINDOW, SEGMENTS,
-                              SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK, SPARSE_BLOCK_Q, SPARSE_RUNS)),
+                              bias_buf, MASK, mask_strides, mask_buf, DROPOUT_SEED, dropout_threshold, dropout_scale,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT,
+                              DS_BUFS, WINDOW, SEGMENTS, SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK, SPARSE_BLOCK_Q,
+                              SPARSE_RUNS, DROPOUT)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
                            w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse,

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gluon_shared import (NEG_INF_BITS, capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier,
                            scores_landed)
-from .rules import GLUON_FWD_INTS
+from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash
 
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
 SPARSE_LISTS = gl.constexpr(1)
@@ -213,6 +213,13 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
 
 
 @gluon.jit
+def _dropped(p, row_hash, n0, threshold, BN: gl.constexpr):
+    """P with the entries dropout drops zeroed: keys n0.. of rows whose hashes are row_hash."""
+    keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, p.type.layout))
+    return gl.where(dropout_keep(row_hash, keys, threshold), p, 0.0)
+
+
+@gluon.jit
 def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k,
                        BN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Start copying keys n0.. of one query half's rows of the bias and of the mask into their buffers
@@ -229,14 +236,17 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
 @gluon.jit
 def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty,
               k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW,
-              cap_in, BIAS_ROW, bias_stride_s, bias_in, bias_buf, MASK_ROW, mask_stride_s, mask_buf, HALF: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-              HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr):
+              cap_in, BIAS_ROW, bias_stride_s, bias_in, bias_buf, MASK_ROW, mask_stride_s, mask_buf, dropout,
+              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr,
+              SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
+              DROPOUT: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (SPARSE: LIST's first
     n_tiles; _key_tile) (ring positions r on):
     (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
-    (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK)."""
+    (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK).  DROPOUT: `dropout` = (seed, batch * Hq +
+    head, threshold); P V takes the probabilities rules.dropout_keep keeps (the hash every kernel
+    applies), the row sums count them all, and the caller scales O by 1 / (1 - p)."""
     HM: gl.constexpr = BM // 2
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
@@ -246,6 +256,9 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     dtype: gl.constexpr = q_smem.dtype
     zero_s = gl.zeros([HM, BN], gl.float32, s_layout)
     rows = m0 + HALF * HM + gl.arange(0, HM, layout=row_s)
+    row_hash = 0
+    if DROPOUT:
+        row_hash = dropout_row_hash(dropout[0], dropout[1], rows)
     q_ids = 0
     if SEGMENTS:
         q_ids = gl.load(QSEG_ROW + rows, mask=rows < seqlen_q, other=-2)
@@ -280,6 +293,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
                                        (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
                                        bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
                                        SOFTCAP, HAS_BIAS, HAS_MASK)
+        if DROPOUT:
+            p = _dropped(p, row_hash, j * BN, dropout[2], BN)
         if HAS_BIAS or HAS_MASK:
             partition_barrier()   # every thread has read the tiles: copy the next ones in
             if count > 1:
@@ -306,6 +321,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
                                           (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
                                           bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
                                           SOFTCAP, HAS_BIAS, HAS_MASK)
+            if DROPOUT:
+                p = _dropped(p, row_hash, j * BN, dropout[2], BN)
             if HAS_BIAS or HAS_MASK:
                 partition_barrier()
                 if i + 1 < count:
@@ -354,12 +371,12 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, w_end, w_step, seqlen_q, seqlen_k,
                  num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
                  seg_stride_kb,
-                 cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, HALF: gl.constexpr,
-                 HEAD_DIM: gl.constexpr,
+                 cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, DROPOUT_SEED,
+                 dropout_threshold, dropout_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
                  SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr):
+                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)
@@ -367,6 +384,9 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
     dtype: gl.constexpr = q_bufs.dtype
     q_smem = q_bufs.index(HALF)
     o_smem = o_bufs.index(HALF)
+    dropout_seed = 0
+    if DROPOUT:
+        dropout_seed = gl.load(DROPOUT_SEED)
     r = 0
     tile = 0
     for w in range(w_first, w_end, w_step):
@@ -384,15 +404,20 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                 seqlen_q, seqlen_k, diag, window_left, qk_scale,
                                                 QSEG + b64 * seg_stride_qb, KSEG + b64 * seg_stride_kb, cap_in,
                                                 bias_head, bias_strides[2], bias_in, bias_bufs.index(HALF), mask_head,
-                                                mask_strides[2], mask_bufs.index(HALF), HALF, HEAD_DIM, BM, BN, STAGES,
-                                                CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE)
+                                                mask_strides[2], mask_bufs.index(HALF),
+                                                (dropout_seed, batch * num_heads_q + head, dropout_threshold), HALF,
+                                                HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP,
+                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
                     acc, m_i, l_i, saturated = _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS, SINKS_PER_HEAD)
                 # O = acc / l and lse = ln(sum exp) (rows with nothing visible: O = 0, lse = -inf).
                 l_o = gl.convert_layout(l_i, row_o)
-                out = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
+                if DROPOUT:   # the kept entries scaled by 1 / (1 - p) here, once per row
+                    out = acc * gl.expand_dims(dropout_scale / gl.where(l_o > 0.0, l_o, 1.0), 1)
+                else:
+                    out = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
                 if NUM_SINKS > 0:
                     out = gl.where(saturated, 0.0, out)
                 # O leaves through shared memory and a TMA store (a tensor of pointers would spill):
@@ -415,23 +440,24 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
 @gluon.jit(do_not_specialize=GLUON_FWD_INTS)
 def flash_fwd_gluon_kernel(
     Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK, SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    DROPOUT_SEED, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     batch, seqlen_q, seqlen_k, num_heads_q, diag, window_left, num_work, sm_scale, seg_stride_qb, seg_stride_kb,
     softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
-    sparse_stride_b, sparse_stride_h, num_k_blocks,
+    sparse_stride_b, sparse_stride_h, num_k_blocks, dropout_threshold, dropout_scale,
     OUT, LSE, DESC_SCRATCH,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
     NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-    HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
     # side (stride_qh == HEAD_DIM) and batches end to end (plan.gluon_forward).  DESC_SCRATCH:
     # where jax-triton launches keep the descriptors (jax_api/_scratch.py).  SPARSE (SPARSE_LISTS or
     # SPARSE_RUNS; 0: none): a block-sparse layout of BLOCK_M x BLOCK_N blocks (dualattn.SparseMask's
-    # key-block lists, _fwd_item).
+    # key-block lists, _fwd_item).  DROPOUT: DROPOUT_SEED holds the seed (int32, shape (1,)), and an entry is
+    # dropped where rules.dropout_keep says (the hash every kernel and the mask kernel apply).
     dtype: gl.constexpr = Q.dtype.element_ty
     HM: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, HEAD_DIM], dtype)
@@ -493,16 +519,16 @@ def flash_fwd_gluon_kernel(
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
-                        mask_strides, mask_bufs, 0,
+                        mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 0,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
-                        mask_strides, mask_bufs, 1,
+                        mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 1,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
                      SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,

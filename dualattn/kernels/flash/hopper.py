@@ -274,7 +274,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS <= Sk <=
     ONE_PASS_MAX_KEYS.  A bias or an attention mask qualifies as in the Gluon forward
     (score_tiles_copyable; fit.backward checks the shared memory), a bias only where no dbias is
-    wanted (bias_grad off: dS is not written out).  flag: DUALATTN_ONE_PASS, "0" / "1" turn it off /
+    wanted (bias_grad off: dS is not written out).  Dropout qualifies (the forward's hash, per tile).
+    flag: DUALATTN_ONE_PASS, "0" / "1" turn it off /
     on whatever the keys (A/B runs, tests)."""
     tile = ONE_PASS_TILES.get(shapes.head_dim)
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
@@ -285,7 +286,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if not sparse_on_gluon_tiles(sparse):
         return None
-    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
+    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT")):
         return None
     if (shapes.has_bias and bias_grad) or not all(score_tiles_copyable(shapes, strides, name)
                                                   for name in ("bias", "attention_mask")):
@@ -314,7 +315,8 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
     GPT-OSS), sinks of any count (joined after the loop), segment ids (packed documents, not
     varlen: _warp_specializable), the soft cap (the Triton kernels' tanh, softcap_mode), a bias and an
-    attention mask (any broadcast over batch and heads); descriptors
+    attention mask (any broadcast over batch and heads), dropout (rules.dropout_keep, the hash every
+    kernel applies); descriptors
     over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  A block-sparse layout whose blocks are the kernel's tiles (sparse_on_gluon_tiles): each
@@ -327,7 +329,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
     # compared on the tiles outside its one-id run.  A bias and an attention mask: read per tile beside S.
-    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK")):
+    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT")):
         return False
     if not all(score_tiles_copyable(shapes, strides, name) for name in ("bias", "attention_mask")):
         return False

@@ -14,7 +14,7 @@ import math
 from typing import Dict, Optional, Tuple
 
 from ... import switches
-from ...options import FlashOptions
+from ...options import FlashOptions, dropout_threshold
 from ...validation import FlashShapes
 from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
 from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILE, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
@@ -129,7 +129,7 @@ def _common_scalars(shapes: FlashShapes, options: FlashOptions, strides: Dict[st
         ("num_heads_q", shapes.heads_q), ("diag_shift", int(diag_shift)),
         ("window_left", options.window_left or 0), ("window_right", options.window_right or 0),
         ("sm_scale", float(options.softmax_scale)), ("softcap", float(options.logits_soft_cap or 1.0)),
-        ("dropout_threshold", int(round(p * (1 << 24)))),
+        ("dropout_threshold", as_int32(dropout_threshold(p))),
         ("dropout_scale", 1.0 / (1.0 - p)),
     )
     # Every q/k/v/o stride divisible by 16 elements lets the kernels vectorise row loads.
@@ -239,7 +239,7 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
     main = Launch(
         module="flash.forward_gluon", kernel="flash_fwd_gluon_kernel", grid=grid,
         inputs=("query", "key", "value", "softmax_aux", "q_segment_ids", "kv_segment_ids", "segment_ranges", "bias",
-                "attention_mask", "sparse_kv_count", "sparse_kv_index", "sparse_q_order"),
+                "attention_mask", "sparse_kv_count", "sparse_kv_index", "sparse_q_order", "dropout_seed"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ob",
                                                "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -250,7 +250,7 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
            ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"]))
         + tuple((k, scalar[k]) for k in ("bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
                                          "mask_stride_h", "mask_stride_s", "sparse_stride_b", "sparse_stride_h",
-                                         "num_k_blocks")),
+                                         "num_k_blocks", "dropout_threshold", "dropout_scale")),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
@@ -260,7 +260,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
                     ("SEGMENTS", segments), ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
                     ("HAS_MASK", shapes.has_mask),
                     # forward_gluon's SPARSE_LISTS / SPARSE_RUNS
-                    ("SPARSE", 0 if sparse is None else 2 if sparse.kv_rows_contiguous else 1)),
+                    ("SPARSE", 0 if sparse is None else 2 if sparse.kv_rows_contiguous else 1),
+                    ("DROPOUT", options.dropout_prob > 0.0)),
         num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
     # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
     return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
@@ -606,7 +607,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
     one_pass = Launch(
         module="flash.backward_gluon", kernel="flash_bwd_one_pass_kernel", grid=grid,
         inputs=("query", "key", "value", "dout", "lse", "delta", "q_segment_ids", "kv_segment_ids", "segment_ranges",
-                "bias", "attention_mask", "sparse_q_count", "sparse_q_index", "sparse_k_order"),
+                "bias", "attention_mask", "sparse_q_count", "sparse_q_index", "sparse_k_order", "dropout_seed"),
         scalars=tuple((k, scalar[k]) for k in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
                                                "stride_kh", "stride_vb", "stride_vs", "stride_vh"))
         + tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h"))
@@ -618,7 +619,7 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
            ("seg_stride_kb", scalar["seg_stride_kb"]), ("softcap", scalar["softcap"]))
         + tuple((k, scalar[k]) for k in ("bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
                                          "mask_stride_h", "mask_stride_s", "sparse_kstride_b", "sparse_kstride_h",
-                                         "num_q_blocks")),
+                                         "num_q_blocks", "dropout_threshold", "dropout_scale")),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
         constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
@@ -627,7 +628,8 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                     ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments),
                     ("SOFTCAP", softcap), ("EVEN_K", shapes.seqlen_k % block_n == 0), ("HAS_BIAS", shapes.has_bias),
                     ("HAS_MASK", shapes.has_mask), ("SPARSE_BLOCK_Q", sparse.block_q if sparse is not None else 0),
-                    ("SPARSE_RUNS", sparse is not None and sparse.q_rows_contiguous)),
+                    ("SPARSE_RUNS", sparse is not None and sparse.q_rows_contiguous),
+                    ("DROPOUT", options.dropout_prob > 0.0)),
         num_warps=ONE_PASS_WARPS, num_stages=1, resume=SEGMENT_RESUME if shapes.has_segments else ())
     if shapes.has_segments:   # (the ranges of key tiles of block_n over query tiles of block_m: _work_item)
         one_pass = segment_ranges_first(one_pass, shapes, scalar, block_n, block_m, False)
@@ -650,7 +652,7 @@ def plan_dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, drop
         grid=(cdiv(seqlen_q, block), batch * heads, 1), inputs=(),
         scalars=(("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("num_heads", heads),
                  ("dropout_seed", as_int32(dropout_seed)),
-                 ("dropout_threshold", int(round(dropout_prob * (1 << 24))))),
+                 ("dropout_threshold", as_int32(dropout_threshold(dropout_prob)))),
         outputs=(Output("keep", (batch, heads, seqlen_q, seqlen_k), "int8"),),
         constexprs=(("BLOCK_M", block), ("BLOCK_N", block)), num_warps=4, num_stages=1)
 

@@ -295,10 +295,17 @@ def dropout_row_hash(seed, batch_head, offs_m):
 
 @triton.jit
 def dropout_keep(row_hash, offs_n, threshold, TRANSPOSED: tl.constexpr = False):
-    """Keep-mask tile: a pure function of (seed, b*H + h, i, j), whatever the launcher or orientation."""
+    """Keep-mask tile: a pure function of (seed, b*H + h, i, j), whatever the launcher or orientation.
+    Per entry, h = (row_hash ^ j) * M1, h ^= h >> 15, h *= M2 (lowbias32's constants), kept iff
+    h >= threshold (options.dropout_threshold, passed as the int32 of its bits).  Four integer
+    operations and two multiplies: the per-entry part bounds the Gluon forward with dropout (NOTES:
+    "Dropout: the hash per entry").  lowbias32's xor-shifts before the first multiply and after the
+    last were left out: the first only xors the row's constant into j (< 2**16), and the last
+    changes bits below the threshold's top 16 only."""
     rows, cols = rows_cols(row_hash, offs_n.to(tl.uint32), TRANSPOSED)
-    h = mix32(rows ^ cols)
-    return (h >> 8) >= threshold.to(tl.uint32)
+    h = (rows ^ cols) * 0x7FEB352D
+    h = (h ^ (h >> 15)) * 0x846CA68B
+    return h >= threshold.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -425,12 +432,14 @@ ONE_PASS_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks"
                  "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh", "stride_dqb", "stride_dqs",
                  "stride_dqh", "batch", "seqlen_q", "seqlen_k", "num_heads_kv", "diag", "window_left", "num_work",
                  "seg_stride_qb", "seg_stride_kb", "bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
-                 "mask_stride_h", "mask_stride_s", "sparse_kstride_b", "sparse_kstride_h", "num_q_blocks"]
+                 "mask_stride_h", "mask_stride_s", "sparse_kstride_b", "sparse_kstride_h", "num_q_blocks",
+                 "dropout_threshold"]
 GLUON_FWD_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                   "stride_vs", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lse_b", "stride_lse_h",
                   "batch", "seqlen_q", "seqlen_k", "num_heads_q", "diag", "window_left", "num_work",
                   "seg_stride_qb", "seg_stride_kb", "bias_stride_b", "bias_stride_h", "bias_stride_s", "mask_stride_b",
-                  "mask_stride_h", "mask_stride_s", "sparse_stride_b", "sparse_stride_h", "num_k_blocks"]
+                  "mask_stride_h", "mask_stride_s", "sparse_stride_b", "sparse_stride_h", "num_k_blocks",
+                  "dropout_threshold"]
 
 
 @triton.jit
