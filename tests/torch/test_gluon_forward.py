@@ -189,6 +189,9 @@ GPU_CASES = {
                                      sinks=True),
     "d128-window-softcap": dict(b=1, sq=2048, sk=2048, hq=2, hkv=1, d=128, opts=dict(sliding_window=(300, 0),
                                                                                     logits_soft_cap=20.0)),
+    # rows that see nothing under the soft cap (O = 0, lse = -inf)
+    "d128-causal-softcap-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=128,
+                                           opts=dict(causal=True, logits_soft_cap=10.0)),
 }
 
 
