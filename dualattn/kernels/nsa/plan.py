@@ -111,17 +111,23 @@ class NsaTiles:
 
 
 def tiles(shapes: NsaShapes) -> NsaTiles:
-    """Rows = TOKENS * GROUP_PAD >= 16 (module docstring); key steps of at most 64 keys (32 at D > 128,
-    to keep the backward's [rows, D] and [keys, D] fp32 tiles in registers)."""
+    """Rows = TOKENS * GROUP_PAD >= 16 (module docstring); key steps of 32 keys (at most 64 where rows
+    are more than 16 at D <= 128; 32 at D > 128, to keep the backward's [rows, D] and [keys, D] fp32
+    tiles in registers).  16 rows (every group of at most 16 heads) run on one warp: one tensor-core
+    tile's rows, no reduction across warps, and many programs per SM to hide the gathers' latency.
+    Against 4 warps and 64-key steps (H200, bf16, D = 128, Hkv = 4, 16 blocks of 64, T = 64k; the
+    dQ pass runs these programs too): group 16 fwd 27.7 -> 15.7 ms, fwd + bwd 110.7 -> 87.1 ms;
+    group 4 24.9 -> 13.5 and 65.8 -> 43.8 (benchmarks/results/2026-11-27_h200_nsa_tiles_sweep.json)."""
     group_pad = next_pow2(shapes.group_size)
     tokens = max(1, TENSOR_CORE_ROWS // group_pad)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
-    block_n = min(shapes.block_size, 32 if big_d else 64)
     rows = tokens * group_pad
+    block_n = min(shapes.block_size, 32 if big_d or rows == TENSOR_CORE_ROWS else 64)
     # fp32 at D > 128: a second pipeline stage of its [keys, D] fp32 tiles overflows sm_80's shared memory
     # (196 KiB for the backward; tests/test_nsa_compile.py).
     stages = 1 if big_d and shapes.dtype == "float32" else 2
-    return NsaTiles(group_pad, tokens, block_n, 8 if rows >= 64 or big_d else 4, stages)
+    num_warps = 8 if rows >= 64 or big_d else 1 if rows == TENSOR_CORE_ROWS else 4
+    return NsaTiles(group_pad, tokens, block_n, num_warps, stages)
 
 
 def scan_blocks(shapes: NsaShapes, t: NsaTiles) -> bool:
