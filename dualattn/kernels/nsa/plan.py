@@ -47,7 +47,8 @@ the sequence length over the block size.  One program per list ran for the longe
 program's walk; the chunk table lists block 0's chunks first, then block 1's, ..., so the long
 lists' chunks start first and the short last chunks fill in behind them.  Measured once so far:
 the selected branch's fwd + bwd at T = 64k, group 16 stayed at 109.6 ms (108.8 before the chunks),
-so something else bounds it there; docs/nsa.md.
+so something else bounds it there (87.1 ms since the forward and dQ programs run on one warp: tiles();
+docs/nsa.md).
 """
 from __future__ import annotations
 
