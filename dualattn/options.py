@@ -30,8 +30,11 @@ Window = Union[None, int, Tuple[Optional[int], Optional[int]]]
 
 def dropout_threshold(dropout_prob: float) -> int:
     """The 32-bit threshold of the dropout hash (kernels/flash/rules.dropout_keep): an entry is kept
-    iff its hash, uniform on [0, 2**32), is >= round(p * 2**32) (at most 2**32 - 1)."""
-    return min(int(round(float(dropout_prob) * (1 << 32))), (1 << 32) - 1)
+    iff its hash, uniform on [0, 2**32), is >= round(p * 2**32) (at most 2**32 - 1).  A threshold of
+    1 (p below 3.5e-10) is taken as 0, keeping everything: jax-triton turns an int argument equal to
+    1 into a constexpr, which the kernels cannot bitcast."""
+    threshold = min(int(round(float(dropout_prob) * (1 << 32))), (1 << 32) - 1)
+    return 0 if threshold == 1 else threshold
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,7 +261,7 @@ def dropout_keep_reference(seed, batch, heads, seqlen_q, seqlen_k, dropout_prob)
     """Keep mask (B, H, Sq, Sk) bool of the documented hash (dualattn/kernels/flash/rules.py):
 
     r = mix(mix(seed ^ (b*H + h) * 0x27D4EB2F) ^ i); x = (r ^ j) * M1; x ^= x >> 15; x *= M2;
-    keep iff x >= min(round(p * 2**32), 2**32 - 1).
+    keep iff x >= min(round(p * 2**32), 2**32 - 1), a threshold of 1 taken as 0.
     """
     seed = np.uint32(int(seed) & 0xFFFFFFFF)
     bh = np.arange(batch * heads, dtype=np.uint64).astype(np.uint32).reshape(batch, heads, 1, 1)
@@ -272,8 +272,8 @@ def dropout_keep_reference(seed, batch, heads, seqlen_q, seqlen_k, dropout_prob)
         r = _lowbias32(r ^ i)
         x = ((r ^ j) * _M1).astype(np.uint32)
         x = ((x ^ (x >> np.uint32(15))) * _M2).astype(np.uint32)
-    threshold = np.uint32(min(int(round(float(dropout_prob) * 2 ** 32)), 2 ** 32 - 1))
-    return x >= threshold
+    threshold = min(int(round(float(dropout_prob) * 2 ** 32)), 2 ** 32 - 1)
+    return x >= np.uint32(0 if threshold == 1 else threshold)
 
 
 def relative_error(a, b) -> float:

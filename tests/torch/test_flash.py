@@ -490,7 +490,8 @@ def test_dropout_keep_fraction(p):
     assert (per_bh - (1 - p)).abs().max() < 6 * (p * (1 - p) / (S * S)) ** 0.5
     assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1]) and not torch.equal(keep[0, 0], keep[0, 1])
     assert not torch.equal(keep[0, 0], keep[1, 0])
-    # neighbours are uncorrelated: along keys (the hash's per-entry part), along queries and heads
+    # no correlation between neighbours detectable at this size: along keys (the hash's per-entry
+    # part), along queries and heads (16M entries show lag-2 and lag-6 ones of ~0.001 along keys)
     z = keep.double() - keep.double().mean()
     for a, b in ((z[..., :-1], z[..., 1:]), (z[..., :-2], z[..., 2:]), (z[..., :-8], z[..., 8:]),
                  (z[:, :, :-1], z[:, :, 1:]), (z[:, :-1], z[:, 1:])):

@@ -131,3 +131,16 @@ def test_gpu_gluon_dropout(monkeypatch, seed, case):
         assert_close_rel(g, r, 1e-2, name)
     # the mask matters: without it the output is far off
     assert (out.double() - reference_attention(q.double(), k.double(), v.double(), **opts)[0]).abs().max() > 0.1
+
+
+def test_a_threshold_of_one_is_no_constexpr():
+    """p = 2.5e-10 would give a threshold of 1, which jax-triton turns into a constexpr that the
+    kernels cannot bitcast: the threshold is 0 instead, and the launch compiles as jax-triton builds it."""
+    from dualattn.options import dropout_threshold
+    assert dropout_threshold(2.5e-10) == 0 and dropout_threshold(1e-9) == 4
+    shapes, options, strides, config = gluon_problem(d=64, sq=256, sk=256, dropout_prob=2.5e-10)
+    launch = flash_plan.plan_forward(shapes, options, strides, config=config).chain[-1]
+    assert dict(launch.scalars)["dropout_threshold"] == 0
+    compiled = compile_check.compile_launch(launch, {**dict.fromkeys(("query", "key", "value"), "bfloat16"),
+                                                     "dropout_seed": "int32"}, arch=90, specialize="jax")
+    assert compiled.asm["cubin"][:4] == b"\x7fELF"

@@ -300,8 +300,8 @@ def dropout_keep(row_hash, offs_n, threshold, TRANSPOSED: tl.constexpr = False):
     h >= threshold (options.dropout_threshold, passed as the int32 of its bits).  Four integer
     operations and two multiplies: the per-entry part bounds the Gluon forward with dropout (NOTES:
     "Dropout: the hash per entry").  lowbias32's xor-shifts before the first multiply and after the
-    last were left out: the first only xors the row's constant into j (< 2**16), and the last
-    changes bits below the threshold's top 16 only."""
+    last were left out: the first turns r ^ j into r' ^ (j ^ (j >> 16)), a row constant xored with a
+    bijection of j, as r ^ j already is; the last changes bits below the top 16 only."""
     rows, cols = rows_cols(row_hash, offs_n.to(tl.uint32), TRANSPOSED)
     h = (rows ^ cols) * 0x7FEB352D
     h = (h ^ (h >> 15)) * 0x846CA68B

@@ -114,7 +114,7 @@ class NsaTiles:
 def tiles(shapes: NsaShapes) -> NsaTiles:
     """Rows = TOKENS * GROUP_PAD >= 16 (module docstring); key steps of 32 keys (at most 64 where rows
     are more than 16 at D <= 128; 32 at D > 128, to keep the backward's [rows, D] and [keys, D] fp32
-    tiles in registers).  16 rows (every group of at most 16 heads) run on one warp: one tensor-core
+    tiles in registers).  At D <= 128, 16 rows (every group of at most 16 heads) run on one warp: one tensor-core
     tile's rows, no reduction across warps, and many programs per SM to hide the gathers' latency.
     Against 4 warps and 64-key steps (H200, bf16, D = 128, Hkv = 4, 16 blocks of 64, T = 64k; the
     dQ pass runs these programs too): group 16 fwd 27.7 -> 15.7 ms, fwd + bwd 110.7 -> 87.1 ms;
