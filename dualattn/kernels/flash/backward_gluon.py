@@ -405,10 +405,10 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
                        diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
                        seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_buf, MASK, mask_strides, mask_buf,
-                       DROPOUT_SEED, dropout_threshold, dropout_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                       STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr,
-                       SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
+                       DROPOUT_SEED, dropout_threshold, dropout_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr,
+                       NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr,
+                       WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
                        SPARSE_RUNS: gl.constexpr, DROPOUT: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
@@ -457,9 +457,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                    window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem,
                                    dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale,
                                    zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head,
-                                   bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM,
-                                   BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
-                                   HAS_BIAS, HAS_MASK, DROPOUT)
+                                   bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2], mask_buf, dropout,
+                                   HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL,
+                                   SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, DROPOUT)
                     r += 1
             else:
                 # masked tiles (the diagonal; with segment ids, also those outside the key tile's one-id run),
@@ -471,17 +471,18 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                        v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
                                        do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
                                        seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
-                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES,
-                                       DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS,
-                                       HAS_MASK, DROPOUT)
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN,
+                                       STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
+                                       HAS_BIAS, HAS_MASK, DROPOUT)
                         r += 1
                 for j in range(plain_lo, plain_hi):
                     dk, dv = _tile(r, r_first, (i_start + j) * BM, n0, True, diag, window_left, dk, dv, k_smem, v_smem,
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
                                    seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
-                                   mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS,
-                                   False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, DROPOUT)
+                                   mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
+                                   NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK,
+                                   DROPOUT)
                     r += 1
                 if WINDOW or SEGMENTS or not EVEN_K:
                     for j in range(plain_hi, n_local):
@@ -489,9 +490,9 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                        v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
                                        do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
                                        seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
-                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES,
-                                       DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS,
-                                       HAS_MASK, DROPOUT)
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN,
+                                       STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
+                                       HAS_BIAS, HAS_MASK, DROPOUT)
                         r += 1
         if DS_BUFS == 2:
             # The key tile's last dQ store is done in both warpgroups, and every read of K and V.
