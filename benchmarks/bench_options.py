@@ -251,11 +251,18 @@ def dualattn_torch(p: Problem) -> Callable:
 
 def dualattn_jax(p: Problem):
     c = p.case
-    if c.bias or c.mask:
-        return "unavailable: an S x S tensor would be a constant of the jitted closure"
     jax = import_jax()
     from dualattn import jax_api
     kw = {k: (jax.dlpack.from_dlpack(v) if hasattr(v, "__dlpack__") else v) for k, v in p.flash_kwargs().items()}
+    if c.bias or c.mask:
+        # The S x S tensors are arguments of the jitted step (JaxFrontEnd: array_kwargs), not constants
+        # of its closure; nothing differentiates them, as with the torch path's bias.
+        arrays = {name: kw.pop(name) for name in ("bias", "attention_mask") if name in kw}
+
+        def attn(q, k, v, **given):
+            return jax_api.flash_attention(q, k, v, backend="triton", **kw, **given)
+        attn.array_kwargs = arrays
+        return attn
     if c.entry == "varlen":
         cu = jax.numpy.arange(0, c.B * c.S + 1, c.S // c.documents, dtype=jax.numpy.int32)
         n = c.S // c.documents

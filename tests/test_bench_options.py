@@ -64,3 +64,16 @@ def test_unknown_case_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         bench_options.parse_args(["--cases", "plain,nope"])
     assert info.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def test_cpu_dry_run_times_jax_with_a_bias_and_a_mask(tmp_path):
+    """The JAX step takes the S x S tensors as arguments of the jitted call (JaxFrontEnd's array_kwargs)
+    and checks against the same reference as torch."""
+    pytest.importorskip("jax")
+    out = tmp_path / "options.json"
+    assert bench_options.main(["--device", "cpu", "--jax", "--cases", "bias,mask", "--out", str(out)]) == 0
+    rows = {(r["case"], r["system"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    for case in ("bias", "mask"):
+        for mode in ("fwd", "fwdbwd"):
+            jax_row = rows[(case, "dualattn-jax-triton", mode)]
+            assert jax_row["status"] == "ok" and jax_row["err"] < 2e-2 and jax_row["tflops"] > 0, jax_row

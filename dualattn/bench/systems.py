@@ -159,13 +159,16 @@ class JaxFrontEnd:
         if inputs.q.device.type == "cuda" and jax.default_backend() != "gpu":
             raise RuntimeError(f"jax has no GPU backend (jax.default_backend() == {jax.default_backend()!r})")
         q, k, v, dout = inputs.as_jax()
+        # Arrays the attention takes besides q, k, v (a bias, a mask: attn.array_kwargs) are arguments
+        # of the jitted step, not constants folded into it; they are not differentiated.
+        extra = getattr(attn, "array_kwargs", {})
         if mode == "fwd":
-            step, args = jax.jit(attn), (q, k, v)
+            step, args = jax.jit(lambda q, k, v, extra: attn(q, k, v, **extra)), (q, k, v, extra)
         else:
-            def fwdbwd(q, k, v, dout):  # grad of sum(out * dout), i.e. the vjp with a fixed cotangent
-                out, pullback = jax.vjp(attn, q, k, v)
+            def fwdbwd(q, k, v, dout, extra):  # grad of sum(out * dout), i.e. the vjp with a fixed cotangent
+                out, pullback = jax.vjp(lambda q, k, v: attn(q, k, v, **extra), q, k, v)
                 return out, pullback(dout)
-            step, args = jax.jit(fwdbwd), (q, k, v, dout)
+            step, args = jax.jit(fwdbwd), (q, k, v, dout, extra)
         return Step(lambda: step(*args), jax.block_until_ready)
 
     @staticmethod

@@ -61,6 +61,9 @@ TENSOR_CORE_ROWS = 16
 # Rows of a dK / dV step: TOKENS_KV tokens * GROUP_PAD heads.  32: at 64 rows (bf16, D = 128, 64 keys,
 # 8 warps) ptxas spills (255 registers); at 32 it needs 215-239 and no stack (sm_90, cuobjdump).
 DKV_ROWS = 32
+# A 16-bit dK / dV program at D <= 128: 32 keys on 4 warps (dkv_tiles).
+DKV_KEYS_16BIT = 32
+DKV_WARPS_16BIT = 4
 FWD_INPUTS = ("query", "key", "value", "block_indices", "block_counts", "cu_seqlens")
 BWD_INPUTS = ("query", "key", "value", "out", "dout", "lse", "block_indices", "block_counts", "cu_seqlens")
 DKV_INPUTS = ("query", "key", "value", "dout", "lse", "delta", "entry_order", "bucket_starts", "chunk_buckets",
@@ -264,15 +267,23 @@ def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int,
 
 def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
     """The dK / dV pass's tiles: `tokens` = TOKENS_KV tokens per step (DKV_ROWS rows), `block_n` keys
-    per program: 64, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers (fp32
-    D = 256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes)."""
+    per program.  16-bit at D <= 128: 32 keys on 4 warps.  With 64 keys on 8 warps, each warp's
+    share of a step's [64, 32] S^T tile was a few rows, and the pass took 52 of a 86 ms fwd + bwd
+    (H200, T = 64k, group 16; NOTES: "NSA's dK / dV programs on 4 warps"); on 4 warps it holds K, V
+    and fp32 dK, dV of 32 keys in 168-178 registers (64 keys on 4 warps: 245-255).  Otherwise 64 keys
+    on 8 warps, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers (fp32 D =
+    256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes; on 4 warps
+    it spills at any key count)."""
     group_pad = next_pow2(shapes.group_size)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
     fp32 = shapes.dtype == "float32"
+    tokens = max(1, DKV_ROWS // group_pad)
+    if not big_d and not fp32:
+        return NsaTiles(group_pad, tokens, min(shapes.block_size, DKV_KEYS_16BIT), DKV_WARPS_16BIT, 2)
     block_n = min(shapes.block_size, (16 if fp32 else 32) if big_d else 64)
     # fp32 at D > 128: one stage (sm_80's shared memory, as tiles()).
     stages = 1 if big_d and fp32 else 2
-    return NsaTiles(group_pad, max(1, DKV_ROWS // group_pad), block_n, 8, stages)
+    return NsaTiles(group_pad, tokens, block_n, 8, stages)
 
 
 @dataclasses.dataclass(frozen=True)
