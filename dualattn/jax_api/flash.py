@@ -260,8 +260,9 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     if backend == "triton":
         if attention_mask is not None and attention_mask.dtype != jnp.bool_:
             attention_mask = attention_mask != 0   # 0 / 1 as the kernels read it, never truncated (256 -> 0)
-        arrays = dict(query=query, key=key, value=value, bias=bias,
-                      attention_mask=None if attention_mask is None else attention_mask.astype(jnp.int8),
+        # A bool mask goes to the kernels as it is (rules.mask_as_int8 reads its bytes): an int8 copy of
+        # the S x S tensor per call cost the masked forward 40% (benchmarks/NOTES.md).
+        arrays = dict(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       dropout_seed=_seed_array(dropout_prob, dropout_seed))

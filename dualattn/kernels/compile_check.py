@@ -32,7 +32,7 @@ from .launch import Launch
 _TRITON_TYPES = {
     "bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
     "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
-    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "u1",
+    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
 }
 _DIVISIBILITY_16 = [["tt.divisibility", 16]]
 SPECIALIZATIONS = ("torch", "jax", "none")

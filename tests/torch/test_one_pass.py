@@ -168,6 +168,24 @@ def test_one_pass_takes_a_bias_without_grad_and_a_mask(d, extra):
     assert "cp.async" in compiled.asm["ptx"] and compiled.asm["cubin"][:4] == b"\x7fELF"
 
 
+def test_a_bool_mask_compiles_to_the_int8_masks_kernels():
+    """JAX passes a bool attention mask as it is and torch views one as int8 (rules.mask_as_int8 reads
+    the bytes): the Gluon forward, the one-pass backward and the portable dQ kernel compile to the same
+    PTX for both, so neither front end converts the S x S tensor."""
+    shapes, options, strides, config = gluon_problem(d=128, causal=True, mask=True)
+    forward = flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                      num_sms=132)
+    launches = [(forward.chain[-1], 90), (_plan(d=128, causal=True, mask=True).dkdv, 90),
+                (_plan(d=64, mask=True, gluon=False).dq.chain[-1], 80)]
+    assert [launch.kernel for launch, _ in launches] == ["flash_fwd_gluon_kernel", ONE_PASS, "flash_bwd_dq_kernel"]
+    dtypes = dict.fromkeys(("query", "key", "value", "out", "dout"), "bfloat16")
+    dtypes.update(lse="float32", delta="float32", softmax_aux="float32")
+    for launch, arch in launches:
+        ptx = [compile_check.compile_launch(launch, dict(dtypes, attention_mask=mask), arch=arch).asm["ptx"]
+               for mask in ("int8", "bool")]
+        assert ptx[0] == ptx[1], launch.kernel
+
+
 @pytest.mark.parametrize("d, extra, one_pass", [
     (128, dict(bias="bfloat16"), True), (128, dict(mask=True), True), (128, dict(bias="float32"), False),
     (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True)])

@@ -18,9 +18,9 @@ import triton.language as tl
 
 from .rules import (BWD_DKDV_INTS, BWD_DQ_INTS, DROPOUT_MASK_INTS, LN2, LOG2E, PREPROCESS_INTS, aligned,
                     dropout_keep, dropout_row_hash, key_tiles, load_bias, load_ids, load_rows, load_stats,
-                    load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile, query_range,
-                    reduce_sum, row_stats, row_tiles, rows_cols, segment_range, sequence_bounds, tile_mask, tile_start,
-                    whole_stats, whole_tiles)
+                    load_tile, logits, loop_segment, mask_as_int8, mask_band_edge, own_tile_frame, program_tile,
+                    query_range, reduce_sum, row_stats, row_tiles, rows_cols, segment_range, sequence_bounds, tile_mask,
+                    tile_start, whole_stats, whole_tiles)
 
 
 @triton.jit(do_not_specialize=PREPROCESS_INTS)
@@ -324,7 +324,7 @@ def flash_bwd_dkdv_kernel(
                                            WARP_SPECIALIZE)  # same layout as LSE
                     q_row0, q_col0, o_col0, stats0 = 0, 0, 0, 0
                 BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
-                MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+                MASK_ROW = mask_as_int8(MASK) + b64 * mask_stride_b + h * mask_stride_h
                 DBIAS_ROW = DBIAS + b64 * dbias_stride_b + h * dbias_stride_h
                 QSEG_ROW = QSEG + b64 * seg_stride_qb
                 for segment in tl.static_range(3):
@@ -509,7 +509,7 @@ def flash_bwd_dq_kernel(
             if HAS_DROPOUT:
                 row_hash = dropout_row_hash(tl.load(DROPOUT_SEED), pid_bh, offs_m)
             BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
-            MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+            MASK_ROW = mask_as_int8(MASK) + b64 * mask_stride_b + h * mask_stride_h
             KSEG_ROW = KSEG + b64 * seg_stride_kb
             dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
             start, full_start, full_end, end, BLOCK_LIST = key_tiles(

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .gluon_shared import capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier, scores_landed
-from .rules import ONE_PASS_INTS, dropout_keep, dropout_row_hash
+from .rules import ONE_PASS_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -540,6 +540,7 @@ def flash_bwd_one_pass_kernel(
     # its every key block's query blocks are one run (_sparse_query_tiles).  DROPOUT: DROPOUT_SEED holds the
     # seed (int32, shape (1,)); the forward's entries are dropped (_tile).
     dtype: gl.constexpr = Q.dtype.element_ty
+    MASK = mask_as_int8(MASK)   # (a bool mask's bytes)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias,
-                    load_ids, load_rows, load_tile, logits, loop_segment, mask_band_edge, own_tile_frame, program_tile,
-                    reduce_max, reduce_sum, row_stats, row_tiles, segment_range, sequence_bounds, tile_mask, tile_start,
-                    whole_stats, whole_tiles)
+                    load_ids, load_rows, load_tile, logits, loop_segment, mask_as_int8, mask_band_edge, own_tile_frame,
+                    program_tile, reduce_max, reduce_sum, row_stats, row_tiles, segment_range, sequence_bounds, tile_mask,
+                    tile_start, whole_stats, whole_tiles)
 
 
 @triton.jit
@@ -194,7 +194,7 @@ def flash_fwd_kernel(
                           WARP_SPECIALIZE, q_row0, q_col0)
 
             BIAS_ROW = BIAS + b64 * bias_stride_b + h * bias_stride_h
-            MASK_ROW = MASK + b64 * mask_stride_b + h * mask_stride_h
+            MASK_ROW = mask_as_int8(MASK) + b64 * mask_stride_b + h * mask_stride_h
             KSEG_ROW = KSEG + b64 * seg_stride_kb
             q_seg = load_ids(QSEG + b64 * seg_stride_qb, offs_m, q_len, -2, HAS_SEGMENTS)
             q_pos = load_ids(QPOS + b64 * pos_stride_qb, offs_m, q_len, 0, HAS_POSITIONS)

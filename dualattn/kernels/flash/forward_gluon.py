@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gluon_shared import (NEG_INF_BITS, capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier,
                            scores_landed)
-from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash
+from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
 SPARSE_LISTS = gl.constexpr(1)
@@ -460,6 +460,7 @@ def flash_fwd_gluon_kernel(
     # dropped where rules.dropout_keep says (the hash every kernel and the mask kernel apply).
     dtype: gl.constexpr = Q.dtype.element_ty
     HM: gl.constexpr = BLOCK_M // 2
+    MASK = mask_as_int8(MASK)   # (a bool mask's bytes)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HM, HEAD_DIM], dtype)

@@ -153,6 +153,17 @@ def rows_cols(offs_m, offs_n, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def mask_as_int8(MASK):
+    """The attention mask's pointer, read as int8 0 / 1 (the Gluon kernels mask by integer operations on
+    it: gluon_shared.masked_bits).  torch passes a bool mask viewed as int8, jax its bool array (XLA
+    stores a bool as one byte, 0 or 1): neither front end converts the S x S tensor per call."""
+    if MASK.dtype.element_ty == tl.int1:
+        return MASK.to(tl.pointer_type(tl.int8), bitcast=True)
+    else:
+        return MASK
+
+
+@triton.jit
 def tile_mask(offs_m, offs_n, seqlen_q, seqlen_k, diag, window_left, window_right,
               q_seg, MASK_ROW, k_seg, mask_stride_s, q_pos, k_pos,
               POSITIONAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
