@@ -268,12 +268,12 @@ def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int,
 def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
     """The dK / dV pass's tiles: `tokens` = TOKENS_KV tokens per step (DKV_ROWS rows), `block_n` keys
     per program.  16-bit at D <= 128: 32 keys on 4 warps.  With 64 keys on 8 warps, each warp's
-    share of a step's [64, 32] S^T tile was a few rows, and the pass took 52 of a 86 ms fwd + bwd
+    share of a step's [64, 32] S^T tile was a few rows, and the pass took 52 of an 86 ms fwd + bwd
     (H200, T = 64k, group 16; NOTES: "NSA's dK / dV programs on 4 warps"); on 4 warps it holds K, V
-    and fp32 dK, dV of 32 keys in 168-178 registers (64 keys on 4 warps: 245-255).  Otherwise 64 keys
+    and fp32 dK, dV of 32 keys in 166-178 registers (64 keys on 4 warps: 245-255).  Otherwise 64 keys
     on 8 warps, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers (fp32 D =
     256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes; on 4 warps
-    it spills at any key count)."""
+    it spills kilobytes)."""
     group_pad = next_pow2(shapes.group_size)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
     fp32 = shapes.dtype == "float32"
