@@ -1,27 +1,34 @@
 """Sweep of the NSA dK / dV pass's tiles on the GPU: kernels/nsa/plan.dkv_tiles replaced per variant
 (keys per program, rows per step, warps, stages), the selected branch's fwd + bwd timed on the indices
 its own NSA chose (bf16, D = 128, Hkv = 4, block 64, 16 blocks), dK / dV compared with the plan's, and
-a torch.profiler kernel breakdown of one fwd + bwd at T = 64k.
+a torch.profiler kernel breakdown of one fwd + bwd at T = 64k.  --registers (no GPU needed): each
+variant compiled for sm_90 and sm_80 at the shapes of tests/test_nsa_compile.py, with ptxas's
+registers and spill stores.
 
     python benchmarks/tune_nsa_dkv.py OUT.json
+    python benchmarks/tune_nsa_dkv.py --registers
 
-`results/2026-11-27_h200_nsa_dkv_sweep.*` ran it when the plan's tiles were 64 keys, 32 rows, 8 warps
-(the variant None there); the plan now takes 32 keys, 32 rows on 4 warps (kernels/nsa/plan.dkv_tiles).
+`results/2026-11-27_h200_nsa_dkv_sweep.*` ran the timing when the plan's tiles were 64 keys, 32 rows,
+8 warps (the variant None there; VARIANTS now names those tiles too); the plan now takes 32 keys, 32
+rows on 4 warps (kernels/nsa/plan.dkv_tiles).
 """
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
-import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
-import dualattn.torch_api as dt
+from dualattn.kernels import compile_check
 from dualattn.kernels.nsa import plan as nsa_plan
 
 # (keys per program, rows per step, num_warps, num_stages); None: the plan's own
 VARIANTS = [None, (64, 32, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 3), (32, 128, 8, 2),
             (64, 64, 8, 2), (32, 64, 4, 3), (64, 32, 4, 2)]
 PROBLEMS = ((65536, 16), (65536, 4), (8192, 16))   # (T, group)
+REGISTER_VARIANTS = [None, (64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)]
 
 
 def tiles_of(variant, plan_tiles):
@@ -37,6 +44,9 @@ def tiles_of(variant, plan_tiles):
 
 
 def sweep(seqlen, group, plan_tiles, heads_kv=4, head_dim=128):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    import dualattn.torch_api as dt
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape):
@@ -76,8 +86,36 @@ def sweep(seqlen, group, plan_tiles, heads_kv=4, head_dim=128):
     return rows
 
 
+def registers(plan_tiles):
+    """ptxas's registers and spill stores of each variant's dK / dV kernel, for sm_90 and sm_80."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_nsa_compile import VARIANTS as SHAPES, _launch
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    print("# python benchmarks/tune_nsa_dkv.py --registers (variant: keys, rows, warps, stages; None: the plan's)")
+    for variant in REGISTER_VARIANTS:
+        nsa_plan.dkv_tiles = tiles_of(variant, plan_tiles)
+        for name, shape in SHAPES.items():
+            for arch in (90, 80):
+                launch, dtypes = _launch("bwd-dkv", *shape)
+                ptx = compile_check.compile_launch(launch, dtypes, arch=arch).asm["ptx"]
+                with tempfile.TemporaryDirectory() as tmp:
+                    src = os.path.join(tmp, "k.ptx")
+                    with open(src, "w") as f:
+                        f.write(ptx)
+                    log = subprocess.run([ptxas, "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", "-v", src,
+                                          "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+                regs = re.findall(r"Used (\d+) registers", log)
+                spills = re.findall(r"(\d+) bytes spill stores", log)
+                print(f"{str(variant):16s} {name:26s} sm_{arch} keys {launch.constexpr_dict['BLOCK_N']:3d} "
+                      f"warps {launch.num_warps} registers {regs[0]} spill stores {spills[0]} bytes", flush=True)
+    nsa_plan.dkv_tiles = plan_tiles
+
+
 def main(out_path):
     plan_tiles = nsa_plan.dkv_tiles
+    if out_path == "--registers":
+        return registers(plan_tiles)
+    import torch
     rows = []
     for seqlen, group in PROBLEMS:
         rows += sweep(seqlen, group, plan_tiles)

@@ -260,8 +260,8 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     if backend == "triton":
         if attention_mask is not None and attention_mask.dtype != jnp.bool_:
             attention_mask = attention_mask != 0   # 0 / 1 as the kernels read it, never truncated (256 -> 0)
-        # A bool mask goes to the kernels as it is (rules.mask_as_int8 reads its bytes): an int8 copy of
-        # the S x S tensor per call cost the masked forward 40% (benchmarks/NOTES.md).
+        # A bool mask goes to the kernels as it is (rules.mask_as_int8 reads its bytes): no int8 copy of
+        # the S x S tensor per call (benchmarks/NOTES.md: "JAX passes a bool mask as it is").
         arrays = dict(query=query, key=key, value=value, bias=bias, attention_mask=attention_mask,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       softmax_aux=softmax_aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .rules import (FWD_INTS, LN2, LOG2E, aligned, band_range, dropout_keep, dropout_row_hash, key_tiles, load_bias,
                     load_ids, load_rows, load_tile, logits, loop_segment, mask_as_int8, mask_band_edge, own_tile_frame,
-                    program_tile, reduce_max, reduce_sum, row_stats, row_tiles, segment_range, sequence_bounds, tile_mask,
-                    tile_start, whole_stats, whole_tiles)
+                    program_tile, reduce_max, reduce_sum, row_stats, row_tiles, segment_range, sequence_bounds,
+                    tile_mask, tile_start, whole_stats, whole_tiles)
 
 
 @triton.jit

@@ -58,8 +58,8 @@ from typing import Optional, Tuple
 from ..launch import Launch, Output, cdiv, next_pow2, row_major_strides
 
 TENSOR_CORE_ROWS = 16
-# Rows of a dK / dV step: TOKENS_KV tokens * GROUP_PAD heads.  32: at 64 rows (bf16, D = 128, 64 keys,
-# 8 warps) ptxas spills (255 registers); at 32 it needs 215-239 and no stack (sm_90, cuobjdump).
+# Rows of a dK / dV step: TOKENS_KV tokens * GROUP_PAD heads.  32: with 64 rows, 16-bit D = 128 programs
+# of 32 keys on 4 warps need 192-255 registers, against 166-178 (and 64 keys on 8 warps spilled at 64 rows).
 DKV_ROWS = 32
 # A 16-bit dK / dV program at D <= 128: 32 keys on 4 warps (dkv_tiles).
 DKV_KEYS_16BIT = 32
@@ -267,13 +267,13 @@ def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int,
 
 def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
     """The dK / dV pass's tiles: `tokens` = TOKENS_KV tokens per step (DKV_ROWS rows), `block_n` keys
-    per program.  16-bit at D <= 128: 32 keys on 4 warps.  With 64 keys on 8 warps, each warp's
-    share of a step's [64, 32] S^T tile was a few rows, and the pass took 52 of an 86 ms fwd + bwd
-    (H200, T = 64k, group 16; NOTES: "NSA's dK / dV programs on 4 warps"); on 4 warps it holds K, V
-    and fp32 dK, dV of 32 keys in 166-178 registers (64 keys on 4 warps: 245-255).  Otherwise 64 keys
-    on 8 warps, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers (fp32 D =
-    256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes; on 4 warps
-    it spills kilobytes)."""
+    per program.  16-bit at D <= 128: 32 keys on 4 warps, whose warps each hold a quarter of a step's
+    [32 keys, 32 rows] S^T tile (on 8 warps a step's tile is split too thin: 1.4x the fwd + bwd time,
+    NOTES: "NSA's dK / dV programs on 4 warps"); K, V and fp32 dK, dV of 32 keys then take 166-178
+    registers (64 keys on 4 warps: 245-255, results/2026-11-27_cpu_nsa_dkv_registers.log).  Otherwise
+    64 keys on 8 warps, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers
+    (fp32 D = 256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes; on
+    4 warps it spills kilobytes)."""
     group_pad = next_pow2(shapes.group_size)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
     fp32 = shapes.dtype == "float32"
