@@ -126,8 +126,11 @@ def _compressed(query, key, value, block_size: int, scale: float):
     """Compressed branch of one sequence: (out (B, T, Hq, Dv), lse (B, Hq, T) or None, pooled keys)."""
     b, t = query.shape[:2]
     n = t // block_size
-    if n == 0:   # no complete block: no token sees any
-        return query.new_zeros(*query.shape[:3], value.shape[-1]), None, None
+    if n == 0:   # no complete block: no token sees any.  Zeros that autograd links to q, k and v, so
+        # their gradients are zeros (as in JAX), not missing; `where` passes no inf or NaN of theirs.
+        none = torch.zeros((), dtype=torch.bool, device=query.device)
+        linked = sum(torch.where(none, x, 0).sum() for x in (query, key, value))
+        return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
     folds = checks.compressed_folds(b, t, key.shape[2], n)
     piece = -(-t // folds)

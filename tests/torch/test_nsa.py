@@ -208,6 +208,18 @@ def test_native_sparse_attention_given_indices_and_partial_gates(torch_gen):
               block_size=16)
 
 
+def test_compressed_branch_shorter_than_a_block_gives_zero_gradients(torch_gen):
+    """With only the compressed gate and no whole block in the sequence, nobody sees a pooled block:
+    out = 0, and q, k, v get zero gradients (as in JAX), not none; an inf in them stays out."""
+    q, k, v = qkv(torch_gen, 1, 10, 2, 1, 16)
+    with torch.no_grad():
+        k[0, 3, 0, 0] = float("inf")
+    g_cmp = torch.rand(1, 10, 2, generator=torch_gen).requires_grad_()
+    out = native_sparse_attention(q, k, v, g_cmp, None, None, block_size=16)
+    grads = torch.autograd.grad(out, (q, k, v, g_cmp), torch.randn_like(out))
+    assert not out.any() and all(g is not None and not g.any() for g in grads)
+
+
 def test_native_sparse_attention_varlen(torch_gen):
     cu = torch.tensor([0, 40, 45, 90], dtype=torch.int32)
     q, k, v = qkv(torch_gen, 1, 90, 2, 1, 16)
