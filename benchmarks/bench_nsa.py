@@ -4,6 +4,8 @@ flash_attention and flash-linear-attention's parallel_nsa (where it imports), in
     python benchmarks/bench_nsa.py                      H100, bf16, D=128, Hkv=4, group 16 and 4, block 64,
                                                         16 selected blocks, window 512, T = 8k..64k
     python benchmarks/bench_nsa.py --quick              T = 8k and 16k, fewer repetitions (< 3 min)
+    python benchmarks/bench_nsa.py --jax                also dualattn.jax_api (backend triton, jit), and torch
+                                                        timed the same way: back-to-back calls, one wait
     python benchmarks/bench_nsa.py --device cpu         a tiny dry run on the CPU interpreter (the script's plumbing)
 Writes JSON under benchmarks/results/ (device, versions, date, every timing, speed-ups vs dense).
 The selected branch is timed on the indices the whole NSA chose (its own top-k), so both see real selections.
@@ -60,7 +62,42 @@ def _grad(fn, inputs, dout):
     return lambda: torch.autograd.grad(fn(), inputs, dout)
 
 
-def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size, count, window, fla) -> list:
+def _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch_fns):
+    """The whole NSA, NSA without the sliding branch and the selected branch through dualattn.jax_api
+    (backend triton, jitted, the torch tensors shared through DLPack), and the same torch calls, all
+    timed as n back-to-back calls and one wait (dualattn.bench.flash.throughput_ms: CUDA events on
+    torch's stream do not see JAX's work)."""
+    import jax
+    from dualattn import jax_api
+    from dualattn.bench.flash import throughput_ms
+    from dualattn.bench.systems import Step
+
+    def share(t):
+        return jax.dlpack.from_dlpack(t.detach().contiguous())
+    jq, jk, jv, jd, jidx = map(share, (q, k, v, dout, idx))
+    jg = [share(g) for g in gates]
+    no_window = dict(opts, window_size=0)
+    fns = {"nsa": (lambda q, k, v, a, b, c: jax_api.native_sparse_attention(q, k, v, a, b, c, backend="triton",
+                                                                           **opts), (jq, jk, jv, *jg)),
+           "nsa-no-window": (lambda q, k, v, a, b: jax_api.native_sparse_attention(q, k, v, a, b, None,
+                                                                                  backend="triton", **no_window),
+                             (jq, jk, jv, jg[0], jg[1])),
+           "nsa-selected": (lambda q, k, v: jax_api.apply_native_sparse_attention(q, k, v, jidx, count, block_size,
+                                                                                 backend="triton"), (jq, jk, jv))}
+    for name, (fn, args) in fns.items():
+        fwd = jax.jit(fn)
+        fwdbwd = jax.jit(lambda d, *a, fn=fn: jax.vjp(fn, *a)[1](d))
+        record(f"jax-dualattn-{name}", "fwd", lambda: throughput_ms(Step(lambda: fwd(*args), jax.block_until_ready)))
+        record(f"jax-dualattn-{name}", "fwdbwd",
+               lambda: throughput_ms(Step(lambda: fwdbwd(jd, *args), jax.block_until_ready)))
+        torch_fwd, torch_fwdbwd = torch_fns[name]
+        sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+        record(f"torch-dualattn-{name}-back-to-back", "fwd", lambda: throughput_ms(Step(torch_fwd, sync)))
+        record(f"torch-dualattn-{name}-back-to-back", "fwdbwd", lambda: throughput_ms(Step(torch_fwdbwd, sync)))
+
+
+def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size, count, window, fla,
+             jax_too=False) -> list:
     hq = heads_kv * group
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -74,9 +111,9 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
         _, idx = dt.native_sparse_attention(q, k, v, *gates, return_block_indices=True, **opts)
     rows = []
 
-    def record(system, mode, fn, note=None):
+    def record(system, mode, fn, note=None, timer=None):
         try:
-            ms = bench(fn)
+            ms = (timer or bench)(fn)
         except Exception as e:  # keep the run going: a failing system is reported, not fatal
             ms, note = None, f"{type(e).__name__}: {e}"[:300]
         rows.append(dict(seqlen=seqlen, group=group, heads_q=hq, heads_kv=heads_kv, system=system, mode=mode, ms=ms,
@@ -111,6 +148,17 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
             with torch.no_grad():
                 record(system, "fwd", fn)
             record(system, "fwdbwd", _grad(fn, inputs, dout))
+    if jax_too:
+        def no_grad(fn):
+            def call():
+                with torch.no_grad():
+                    return fn()
+            return call
+        torch_fns = {"nsa": (no_grad(nsa), _grad(nsa, (q, k, v, *gates), dout)),
+                     "nsa-no-window": (no_grad(nsa_nw), _grad(nsa_nw, (q, k, v, gates[0], gates[1]), dout)),
+                     "nsa-selected": (no_grad(selected), _grad(selected, (q, k, v), dout))}
+        _jax_cases(lambda system, mode, timed: record(system, mode, None, timer=lambda _: timed()), q, k, v, gates,
+                   dout, idx, opts, count, block_size, torch_fns)
     return rows
 
 
@@ -133,6 +181,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="T = 8k and 16k, fewer repetitions")
     ap.add_argument("--seqlens", type=int, nargs="*", help="override the sequence lengths")
     ap.add_argument("--groups", type=int, nargs="*", default=[16, 4])
+    ap.add_argument("--jax", action="store_true", help="also dualattn.jax_api, both timed back to back")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/<date>_<device>_nsa.json)")
     args = ap.parse_args(argv)
     if args.device == "cpu":   # the interpreter: tiny sizes, fp32, one timing each
@@ -147,7 +196,8 @@ def main(argv=None):
     rows = []
     for group in groups:
         for seqlen in seqlens:
-            rows += run_case(bench, args.device, seqlen=seqlen, group=group, fla=fla, **cfg)
+            rows += run_case(bench, args.device, seqlen=seqlen, group=group, fla=fla,
+                             jax_too=args.jax and args.device == "cuda", **cfg)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"

@@ -180,7 +180,7 @@ def default_scale(head_dim: int, softmax_scale) -> float:
 # The compressed branch's queries are cut into pieces that become batch rows of their own
 # (compressed_folds): enough flash dK / dV programs for the GPU, pieces of at least this many queries.
 COMPRESSED_PROGRAMS = 512
-FOLD_MIN_QUERIES = 4096
+FOLD_MIN_QUERIES = 512
 
 
 def compressed_folds(batch: int, seqlen: int, heads_kv: int, num_cmp: int) -> int:
@@ -189,7 +189,10 @@ def compressed_folds(batch: int, seqlen: int, heads_kv: int, num_cmp: int) -> in
     head): at T = 64k, Hkv = 4 that is 64 programs walking all 64k queries each, on a GPU of 132
     SMs.  Each piece becomes a batch row of its own (the pooled keys are copied per piece, and the
     copies' gradients add up), which multiplies the programs; pieces of at least FOLD_MIN_QUERIES
-    queries keep those copies small."""
+    queries keep those copies small.  At T = 8k, group 16 (H200, bf16, D = 128, Hkv = 4, block 64) the
+    branch's fwd + bwd took 5.6 ms in pieces of 4096 (2 pieces: 16 dK / dV programs), 3.6 in pieces
+    of 512; at 64k (8 pieces either way) 27 ms, within 2% for 8 to 32 pieces
+    (benchmarks/tune_nsa_select.py --folds, results/2026-11-27_h200_nsa_folds.json)."""
     key_tiles = -(-num_cmp // 64)
     want = -(-COMPRESSED_PROGRAMS // (key_tiles * batch * heads_kv))
     return max(1, min(want, seqlen // FOLD_MIN_QUERIES))

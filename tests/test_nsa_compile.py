@@ -60,10 +60,12 @@ def test_compile_nsa(variant, kernel, arch):
     assert not re.search(r"\b(red|atom)\.global", ptx), "no atomics: every gradient element is written once"
 
 
-@pytest.mark.parametrize("arch, dtype, group", [
-    (90, "bfloat16", 16), pytest.param(80, "float16", 2, marks=pytest.mark.slow)])
-def test_compile_nsa_importance(arch, dtype, group):
-    launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, 128, 64, dtype, 128 ** -0.5)
+@pytest.mark.parametrize("arch, dtype, group, d", [
+    (90, "bfloat16", 16, 128), pytest.param(80, "float16", 2, 128, marks=pytest.mark.slow),
+    pytest.param(90, "float32", 8, 256, marks=pytest.mark.slow), pytest.param(80, "bfloat16", 1, 256,
+                                                                              marks=pytest.mark.slow)])
+def test_compile_nsa_importance(arch, dtype, group, d):
+    launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, d, 64, dtype, d ** -0.5)
     compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32"), arch=arch)
     assert "mma" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= MAX_SHARED[arch]
@@ -77,3 +79,18 @@ def test_compile_nsa_top_k(num_blocks, arch):
     assert f".entry {launch.kernel}(" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= MAX_SHARED[arch]
     assert ".local" not in compiled.asm["ptx"], "the score row spills to local memory"
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("arch, dtype, d, branches", [
+    (90, "bfloat16", 128, 3), pytest.param(80, "float16", 256, 1, marks=pytest.mark.slow)])
+def test_compile_nsa_gates(arch, dtype, d, branches, backward):
+    """The gated sum and its backward, every branch slot, and one branch at the widest head."""
+    plan = nsa_plan.plan_gates_backward if backward else nsa_plan.plan_gates
+    launch = plan(4 * 65536 * 16, d, branches)
+    dtypes = {**{f"o{i}": dtype for i in range(branches)}, **{f"g{i}": "float32" for i in range(branches)}}
+    if backward:
+        dtypes["dout"] = dtype
+    compiled = compile_check.compile_launch(launch, dtypes, arch=arch)
+    assert f".entry {launch.kernel}(" in compiled.asm["ptx"]
+    assert ".local" not in compiled.asm["ptx"]

@@ -48,6 +48,46 @@ def inverted_index(selection_keys: Tensor, plan: nsa_plan.BackwardPlan) -> dict:
                 chunk_starts=chunk_starts)
 
 
+class _GatedSum(torch.autograd.Function):
+    """Sum over the branches given (o not None) of g[..., None] * o, in `dtype`, and its backward: one
+    pass each (kernels/nsa/gates.py), where torch ran a multiply per branch and the adds."""
+
+    @staticmethod
+    def forward(ctx, dtype, g_cmp, o_cmp, g_slc, o_slc, g_swa, o_swa):
+        terms = [(g, o) for g, o in ((g_cmp, o_cmp), (g_slc, o_slc), (g_swa, o_swa)) if o is not None]
+        shape = terms[0][1].shape
+        arrays = {}
+        for i, (g, o) in enumerate(terms):
+            arrays[f"o{i}"] = _cpu_upcast(o.to(dtype).contiguous())
+            arrays[f"g{i}"] = _cpu_upcast(g.contiguous())
+        out = _launch.run(nsa_plan.plan_gates(shape[:-1].numel(), shape[-1], len(terms)), arrays)["out"]
+        ctx.save_for_backward(*arrays.values())
+        ctx.names, ctx.shape, ctx.dtype = tuple(arrays), shape, dtype
+        ctx.present = tuple(o is not None for o in (o_cmp, o_slc, o_swa))
+        ctx.gate_dtypes = [g.dtype for g, _ in terms]
+        return out.view(shape).to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        arrays = dict(zip(ctx.names, ctx.saved_tensors))
+        arrays["dout"] = _cpu_upcast(dout.to(ctx.dtype).contiguous())
+        branches = len(ctx.gate_dtypes)
+        grads = _launch.run(nsa_plan.plan_gates_backward(ctx.shape[:-1].numel(), ctx.shape[-1], branches), arrays)
+        result, slot = [None], 0
+        for present in ctx.present:
+            if present:
+                result += [grads[f"dg{slot}"].view(ctx.shape[:-1]).to(ctx.gate_dtypes[slot]),
+                           grads[f"do{slot}"].view(ctx.shape).to(ctx.dtype)]
+                slot += 1
+            else:
+                result += [None, None]
+        return tuple(result)
+
+
+def _cat(parts: list, dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)   # (cat copies even one part)
+
+
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, shapes, scale, count):
@@ -135,7 +175,8 @@ def _compressed(query, key, value, block_size: int, scale: float):
     folds = checks.compressed_folds(b, t, key.shape[2], n)
     piece = -(-t // folds)
     # (b, t) queries -> (b * folds, piece) rows, the last padded (its extra rows' outputs are dropped)
-    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, folds * piece - t)).reshape(b * folds, piece, *query.shape[2:])
+    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, folds * piece - t)) if folds * piece > t else query
+    q = q.reshape(b * folds, piece, *query.shape[2:])
     fold = lambda x: x[:, None].expand(b, folds, *x.shape[1:]).reshape(b * folds, *x.shape[1:])  # noqa: E731
     q_pos = torch.arange(folds * piece, device=query.device).view(folds, piece).repeat(b, 1)
     kv_pos = ((torch.arange(n, device=query.device) + 1) * block_size - 1).expand(b * folds, n)
@@ -217,23 +258,21 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
         query, key, value, gates=dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), block_indices=block_indices,
         block_counts=block_counts, block_size=block_size, window_size=window_size, softmax_scale=softmax_scale,
         cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices)
-    out = None
+    o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
         for lo, hi in checks.sequences(cu_values, t):
-            o_cmp, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale)
-            outs.append(o_cmp)
+            o, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale)
+            outs.append(o)
             if block_indices is None and need_selection:
                 chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
         if g_cmp is not None:
-            out = g_cmp.to(query.dtype)[..., None] * torch.cat(outs, dim=1)
+            o_cmp = _cat(outs, 1)
         if chosen:
-            block_indices = torch.cat(chosen, dim=1)
+            block_indices = _cat(chosen, 1)
     if g_slc is not None:
         o_slc = apply_native_sparse_attention(query, key, value, block_indices, block_counts, block_size, scale,
                                               cu_seqlens)
-        term = g_slc.to(query.dtype)[..., None] * o_slc
-        out = term if out is None else out + term
     if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
@@ -242,6 +281,5 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
             longest = max(hi - lo for lo, hi in checks.sequences(cu_values, t))
             o_swa = flash_attn_varlen_func(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
                                            causal=True, sliding_window=(window_size, 0), softmax_scale=scale)[None]
-        term = g_swa.to(query.dtype)[..., None] * o_swa
-        out = term if out is None else out + term
+    out = _GatedSum.apply(query.dtype, g_cmp, o_cmp, g_slc, o_slc, g_swa, o_swa)
     return (out, block_indices) if return_block_indices else out

@@ -340,6 +340,38 @@ def test_native_sparse_attention_gpu(torch_gen, group):
     ref, _ = reference_nsa(*leaves[:3], *leaves[3:], block_indices=used.cpu(), block_counts=8, block_size=64,
                            window_size=128)
     assert_close_rel(out, ref, 1e-4, "out")   # TF32x3 dots in the fp32 kernels
+    dout = torch.randn_like(out)
+    for name, g, r in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_swa"),
+                          torch.autograd.grad(out, (q, k, v, *gates), dout),
+                          torch.autograd.grad(ref, leaves, dout.double().cpu())):
+        assert_close_rel(g, r, 1e-4, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("present", ["csw", "sw", "c"])
+def test_gated_sum_gpu(torch_gen, present):
+    """The gated sum of the branches and its backward (kernels/nsa/gates.py) in bf16, at a head dim
+    that is not a power of two, with an fp32 gate beside bf16 ones, against float64."""
+    from dualattn.torch_api.nsa import _GatedSum
+    shape = (2, 300, 6, 96)
+    terms = []
+    for c in "csw":
+        if c not in present:
+            terms += [None, None]
+            continue
+        gate_dtype = torch.float32 if c == "s" else torch.bfloat16
+        terms += [torch.rand(shape[:-1], generator=torch_gen).to("cuda", gate_dtype).requires_grad_(),
+                  torch.randn(shape, generator=torch_gen).to("cuda", torch.bfloat16).requires_grad_()]
+    out = _GatedSum.apply(torch.bfloat16, *terms)
+    given = [x for x in terms if x is not None]
+    leaves = [x.detach().double().requires_grad_() for x in given]
+    ref = sum(g[..., None] * o for g, o in zip(leaves[::2], leaves[1::2]))
+    assert out.dtype == torch.bfloat16
+    assert_close_rel(out, ref, 1e-2, "out")
+    dout = torch.randn(shape, generator=torch_gen).to("cuda", torch.bfloat16)
+    for x, g, r in zip(given, torch.autograd.grad(out, given, dout), torch.autograd.grad(ref, leaves, dout.double())):
+        assert g.dtype == x.dtype
+        assert_close_rel(g, r, 1e-2, "gradient")
 
 
 def test_top_k_lowest_ties(torch_gen):

@@ -343,7 +343,29 @@ def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
     return BackwardPlan(dq, dkdv, num_buckets(shapes), chunk, chunks)
 
 
-IMPORTANCE_BLOCK_C = 64
+@dataclasses.dataclass(frozen=True)
+class ImportanceTiles:
+    tokens: int    # tokens per program (all GROUP_PAD heads of each are its rows)
+    block_c: int   # pooled blocks per step
+    num_warps: int
+    num_stages: int
+
+
+# Rows of an importance program: 16-bit inputs at D <= 128, and the rest.
+IMPORTANCE_ROWS = 128
+IMPORTANCE_ROWS_WIDE = 64
+
+
+def importance_tiles(shapes: NsaShapes) -> ImportanceTiles:
+    """The importance kernel's tiles: 128 rows (128 // GROUP_PAD tokens) on 4 warps, 64 pooled blocks a
+    step; 64 rows for fp32 or D > 128.  Each program reads the pooled keys up to its last token's
+    block, so rows are what divides that traffic: with the selected branch's 16 rows the kernel took
+    9.7 ms at T = 64k, group 16 (2.8 at group 4), with 128 rows 2.8 (1.0), the same scores to the bit
+    (H200, bf16, D = 128, Hkv = 4, block 64; benchmarks/tune_nsa_select.py,
+    results/2026-11-27_h200_nsa_select.json)."""
+    wide = shapes.dtype == "float32" or shapes.head_dim > 128
+    rows = IMPORTANCE_ROWS_WIDE if wide else IMPORTANCE_ROWS
+    return ImportanceTiles(max(1, rows // next_pow2(shapes.group_size)), 64, 4, 2)
 
 
 def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_dim: int, block_size: int,
@@ -353,7 +375,7 @@ def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_d
     output scores fp32 (B, T, Hkv, cdiv(T, block_size))."""
     shapes = NsaShapes(batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                        head_dim_v=head_dim, num_slots=1, block_size=block_size, dtype=dtype, per_token_counts=False)
-    t = tiles(shapes)
+    t = importance_tiles(shapes)
     n_cmp, n_blocks = seqlen // block_size, cdiv(seqlen, block_size)
     strides = (row_major_strides((batch, seqlen, heads_q, head_dim))[:3]
                + row_major_strides((batch, max(n_cmp, 1), heads_kv, head_dim))[:3]
@@ -368,10 +390,9 @@ def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_d
                                               ("num_blocks", n_blocks), ("sm_scale", float(softmax_scale))),
         outputs=(Output("scores", (batch, seqlen, heads_kv, n_blocks), "float32"),),
         constexprs=(("HEAD_DIM", head_dim), ("BLOCK_D", max(16, next_pow2(head_dim))), ("GROUP", heads_q // heads_kv),
-                    ("GROUP_PAD", t.group_pad), ("TOKENS", t.tokens), ("BLOCK_SIZE", block_size),
-                    ("BLOCK_C", IMPORTANCE_BLOCK_C),
-                    ("DOT_PRECISION", "tf32x3" if dtype == "float32" else "tf32")),
-        num_warps=4, num_stages=2)
+                    ("GROUP_PAD", next_pow2(heads_q // heads_kv)), ("TOKENS", t.tokens), ("BLOCK_SIZE", block_size),
+                    ("BLOCK_C", t.block_c), ("DOT_PRECISION", "tf32x3" if dtype == "float32" else "tf32")),
+        num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 # The top-k kernel holds a whole score row in registers: up to this many blocks (T = 2M tokens at
@@ -379,18 +400,62 @@ def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_d
 TOPK_MAX_BLOCKS = 32768
 
 
+def topk_tiles(block_nb: int) -> Tuple[int, int]:
+    """(rows per program, num_warps) of the top-k kernel for rows of block_nb (a power of two) scores:
+    2048 scores a warp (64 registers a thread), rows on one warp while they fit, so that a round's
+    maximum and first index are warp shuffles, not a reduction across warps through shared memory
+    (T = 64k, 1024 blocks: 1.57 ms on one warp, 1.81 on 4; tune_nsa_select.py)."""
+    return max(1, 2048 // block_nb), max(1, block_nb // 2048)
+
+
 def plan_topk(rows: int, num_blocks: int, count: int) -> Optional[Launch]:
     """The selection from the importance scores (importance.nsa_topk_kernel): input scores fp32
-    (rows, num_blocks) contiguous, output indices int32 (rows, count).  None past TOPK_MAX_BLOCKS.
-    About 4096 scores a program (32 registers a thread at 4 warps); wider rows get more warps."""
+    (rows, num_blocks) contiguous, output indices int32 (rows, count).  None past TOPK_MAX_BLOCKS."""
     block_nb = max(16, next_pow2(num_blocks))
     if block_nb > TOPK_MAX_BLOCKS:
         return None
-    rows_per_program = max(1, 4096 // block_nb)
+    rows_per_program, num_warps = topk_tiles(block_nb)
     return Launch(
         module="nsa.importance", kernel="nsa_topk_kernel", grid=(cdiv(rows, rows_per_program), 1, 1),
         inputs=("scores",), scalars=(("rows", rows), ("num_blocks", num_blocks)),
         outputs=(Output("indices", (rows, count), "int32"),),
         constexprs=(("COUNT", count), ("BLOCK_SLOTS", max(2, next_pow2(count))), ("BLOCK_NB", block_nb),
                     ("ROWS", rows_per_program)),
-        num_warps=4 if block_nb <= 4096 else (8 if block_nb <= 8192 else 16), num_stages=1)
+        num_warps=num_warps, num_stages=1)
+
+
+# Rows of the gated sum's programs: 4096 elements at D = 128 on 4 warps.
+GATE_ROWS = 32
+GATE_SLOTS = 3
+
+
+def _gate_common(rows: int, head_dim: int, branches: int) -> Tuple[tuple, tuple]:
+    if not 1 <= branches <= GATE_SLOTS:
+        raise ValueError(f"branches must be 1 to {GATE_SLOTS}, got {branches}")
+    return (("rows", rows),), (("HEAD_DIM", head_dim), ("BLOCK_D", max(16, next_pow2(head_dim))), ("ROWS", GATE_ROWS),
+                               ("BRANCHES", branches))
+
+
+def plan_gates(rows: int, head_dim: int, branches: int) -> Launch:
+    """NSA's gated sum (gates.nsa_gate_kernel) of `branches` terms: inputs o<i> (rows, head_dim) and g<i>
+    (rows,) for i < branches, contiguous; output out (rows, head_dim) in o's dtype."""
+    scalars, constexprs = _gate_common(rows, head_dim, branches)
+    return Launch(
+        module="nsa.gates", kernel="nsa_gate_kernel", grid=(cdiv(rows, GATE_ROWS), 1, 1),
+        inputs=tuple(f"o{i}" for i in range(GATE_SLOTS)) + tuple(f"g{i}" for i in range(GATE_SLOTS)), scalars=scalars,
+        outputs=(Output("out", (rows, head_dim), "like:o0"),), constexprs=constexprs, num_warps=4, num_stages=1)
+
+
+def plan_gates_backward(rows: int, head_dim: int, branches: int) -> Launch:
+    """Backward of plan_gates (gates.nsa_gate_bwd_kernel): input dout (rows, head_dim) beside plan_gates'
+    inputs; outputs do<i> like o<i> and dg<i> (rows,) like g<i>, for i < branches."""
+    scalars, constexprs = _gate_common(rows, head_dim, branches)
+    used = range(branches)
+    outputs = tuple(Output(f"do{i}", (rows, head_dim) if i in used else (1,), f"like:o{i}" if i in used else "float32",
+                           placeholder=i not in used) for i in range(GATE_SLOTS))
+    outputs += tuple(Output(f"dg{i}", (rows,) if i in used else (1,), f"like:g{i}" if i in used else "float32",
+                            placeholder=i not in used) for i in range(GATE_SLOTS))
+    return Launch(
+        module="nsa.gates", kernel="nsa_gate_bwd_kernel", grid=(cdiv(rows, GATE_ROWS), 1, 1),
+        inputs=("dout",) + tuple(f"o{i}" for i in range(GATE_SLOTS)) + tuple(f"g{i}" for i in range(GATE_SLOTS)),
+        scalars=scalars, outputs=outputs, constexprs=constexprs, num_warps=4, num_stages=1)

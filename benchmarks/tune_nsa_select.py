@@ -1,0 +1,203 @@
+"""Where NSA's forward spends its time, and a sweep of the block selection's two kernels on the GPU.
+
+For each (T, group) of PROBLEMS (bf16, D = 128, Hkv = 4, block 64, 16 blocks, window 512):
+* a torch.profiler kernel breakdown of one whole NSA forward (no gradients);
+* kernels/nsa/plan.importance_tiles replaced per IMPORTANCE_VARIANTS entry (rows per program, pooled
+  blocks per step, warps, stages): the importance kernel alone, timed on the compressed branch's own
+  lse, its scores compared with the plan's and the top-k they give compared index for index;
+* kernels/nsa/plan.topk_tiles replaced per TOPK_VARIANTS entry (rows per program, warps): the
+  top-k kernel alone on the plan's scores, indices compared with the plan's.
+--profile: only the kernel breakdowns, of one whole NSA forward and of one forward + backward.
+--folds: dualattn.nsa's COMPRESSED_PROGRAMS and FOLD_MIN_QUERIES replaced per FOLD_VARIANTS entry
+(how many batch rows the compressed branch cuts its queries into): the compressed branch alone and the
+whole NSA, fwd + bwd, with the gradients compared with the plan's.
+
+    python benchmarks/tune_nsa_select.py OUT.json
+    python benchmarks/tune_nsa_select.py --profile
+    python benchmarks/tune_nsa_select.py --folds OUT.json
+"""
+import json
+import sys
+
+import triton
+
+from dualattn.kernels.nsa import plan as nsa_plan
+
+# (rows per program, pooled blocks per step, num_warps, num_stages); None: the plan's own
+IMPORTANCE_VARIANTS = [None, (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
+                       (128, 32, 8, 2), (64, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
+# (rows per program, num_warps); None: the plan's own
+TOPK_VARIANTS = [None, (1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 4), (8, 4), (8, 8), (16, 8)]
+PROBLEMS = ((65536, 16), (65536, 4), (8192, 16))   # (T, group)
+# (COMPRESSED_PROGRAMS, FOLD_MIN_QUERIES); None: dualattn.nsa's own
+FOLD_VARIANTS = [None, (512, 1024), (512, 512), (512, 256), (1024, 512), (1024, 256), (2048, 128)]
+
+
+def importance_of(variant, plan_tiles):
+    if variant is None:
+        return plan_tiles
+
+    def tiles(shapes):
+        rows, block_c, warps, stages = variant
+        return nsa_plan.ImportanceTiles(max(1, rows // triton.next_power_of_2(shapes.group_size)), block_c, warps,
+                                        stages)
+    return tiles
+
+
+def topk_of(variant, plan_tiles):
+    return plan_tiles if variant is None else (lambda block_nb: variant)
+
+
+def sweep(seqlen, group, profile_only=False, heads_kv=4, head_dim=128, block_size=64, count=16):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    import dualattn.torch_api as dt
+    from dualattn.torch_api import _launch
+    from dualattn.torch_api.nsa import _compressed
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    heads_q = heads_kv * group
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16).requires_grad_(profile_only)
+    q, k, v = rand(1, seqlen, heads_q, head_dim), rand(1, seqlen, heads_kv, head_dim), rand(1, seqlen, heads_kv,
+                                                                                             head_dim)
+    gates = [torch.rand(1, seqlen, heads_q, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
+    scale = head_dim ** -0.5
+
+    def nsa_forward():
+        return dt.native_sparse_attention(q, k, v, *gates, block_counts=count, block_size=block_size,
+                                          window_size=512)
+    def breakdown(what, fn, row_limit):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"## T {seqlen} group {group}: one NSA {what}, kernels by CUDA time", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit), flush=True)
+    breakdown("forward", nsa_forward, 16)
+    if profile_only:
+        dout = torch.randn(1, seqlen, heads_q, head_dim, generator=gen).to("cuda", torch.bfloat16)
+        breakdown("forward + backward", lambda: torch.autograd.grad(nsa_forward(), (q, k, v), dout), 24)
+        return []
+    whole_ms = triton.testing.do_bench(nsa_forward, warmup=5, rep=50, return_mode="median")
+    print(f"whole NSA forward {whole_ms:.2f} ms", flush=True)
+    rows = [dict(seqlen=seqlen, group=group, kernel="whole forward", ms=whole_ms)]
+
+    _, lse, k_cmp = _compressed(q, k, v, block_size, scale)
+    lse = lse.float().contiguous()
+    plan_importance, plan_topk = nsa_plan.importance_tiles, nsa_plan.topk_tiles
+
+    def scores_of():
+        launch = nsa_plan.plan_importance(1, seqlen, heads_q, heads_kv, head_dim, block_size, "bfloat16", scale)
+        return launch, dict(query=q, k_cmp=k_cmp.contiguous(), lse=lse)
+
+    def top_of(scores):
+        launch = nsa_plan.plan_topk(seqlen * heads_kv, scores.shape[-1], count)
+        return _launch.run(launch, dict(scores=scores))["indices"]
+
+    launch, inputs = scores_of()
+    ref_scores = _launch.run(launch, inputs)["scores"]
+    ref_idx = top_of(ref_scores)
+    finite = torch.isfinite(ref_scores)
+    for variant in IMPORTANCE_VARIANTS:
+        nsa_plan.importance_tiles = importance_of(variant, plan_importance)
+        try:
+            launch, inputs = scores_of()
+            scores = _launch.run(launch, inputs)["scores"]
+            torch.cuda.synchronize()
+            same_inf = bool(torch.equal(torch.isfinite(scores), finite))
+            diff = float((scores[finite] - ref_scores[finite]).abs().max())
+            idx_equal = float((top_of(scores) == ref_idx).float().mean())
+            ms = triton.testing.do_bench(lambda: _launch.run(launch, inputs), warmup=5, rep=50, return_mode="median")
+        except Exception as e:  # a variant that fails to compile or launch is reported, not fatal
+            ms, diff, same_inf, idx_equal = None, f"{type(e).__name__}: {e}"[:200], None, None
+        rows.append(dict(seqlen=seqlen, group=group, kernel="importance", variant=variant, ms=ms,
+                         max_score_diff=diff, same_infinities=same_inf, topk_equal_fraction=idx_equal))
+        print(rows[-1], flush=True)
+    nsa_plan.importance_tiles = plan_importance
+    for variant in TOPK_VARIANTS:
+        nsa_plan.topk_tiles = topk_of(variant, plan_topk)
+        try:
+            idx = top_of(ref_scores)
+            torch.cuda.synchronize()
+            equal = bool(torch.equal(idx, ref_idx))
+            ms = triton.testing.do_bench(lambda: top_of(ref_scores), warmup=5, rep=50, return_mode="median")
+        except Exception as e:
+            ms, equal = None, f"{type(e).__name__}: {e}"[:200]
+        rows.append(dict(seqlen=seqlen, group=group, kernel="topk", variant=variant, ms=ms, indices_equal=equal))
+        print(rows[-1], flush=True)
+    nsa_plan.topk_tiles = plan_topk
+    return rows
+
+
+def folds(seqlen, group, heads_kv=4, head_dim=128, block_size=64, count=16):
+    import torch
+    import dualattn.nsa as checks
+    import dualattn.torch_api as dt
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    heads_q = heads_kv * group
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    q, k, v = rand(1, seqlen, heads_q, head_dim), rand(1, seqlen, heads_kv, head_dim), rand(1, seqlen, heads_kv,
+                                                                                             head_dim)
+    gates = [torch.rand(1, seqlen, heads_q, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
+    dout = torch.randn(1, seqlen, heads_q, head_dim, generator=gen).to("cuda", torch.bfloat16)
+
+    def compressed():
+        return torch.autograd.grad(dt.native_sparse_attention(q, k, v, gates[0], block_size=block_size), (q, k, v),
+                                   dout)
+
+    def whole():
+        return torch.autograd.grad(dt.native_sparse_attention(q, k, v, *gates, block_counts=count,
+                                                              block_size=block_size, window_size=512), (q, k, v), dout)
+    plan = checks.COMPRESSED_PROGRAMS, checks.FOLD_MIN_QUERIES
+    rows, ref = [], None
+    for variant in FOLD_VARIANTS:
+        checks.COMPRESSED_PROGRAMS, checks.FOLD_MIN_QUERIES = plan if variant is None else variant
+        n = seqlen // block_size
+        grads = compressed()
+        torch.cuda.synchronize()
+        diff = 0.0 if ref is None else max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref))
+        ref = grads if ref is None else ref
+        pieces = checks.compressed_folds(1, seqlen, heads_kv, n)
+        rows.append(dict(seqlen=seqlen, group=group, variant=variant, folds=pieces,
+                         compressed_fwdbwd_ms=triton.testing.do_bench(compressed, warmup=5, rep=50,
+                                                                      return_mode="median"),
+                         whole_fwdbwd_ms=triton.testing.do_bench(whole, warmup=5, rep=50, return_mode="median"),
+                         max_grad_diff_vs_plan=diff))
+        print(rows[-1], flush=True)
+    checks.COMPRESSED_PROGRAMS, checks.FOLD_MIN_QUERIES = plan
+    return rows
+
+
+def main(out_path, mode=None):
+    import torch
+    rows = []
+    if mode == "--folds":
+        for seqlen, group in ((8192, 16), (8192, 4), (65536, 16), (65536, 4)):
+            rows += folds(seqlen, group)
+            torch.cuda.empty_cache()
+        with open(out_path, "w") as f:
+            json.dump(dict(command="python benchmarks/tune_nsa_select.py --folds " + out_path,
+                           device=torch.cuda.get_device_name(),
+                           versions=dict(torch=torch.__version__, triton=triton.__version__),
+                           variant_fields="(COMPRESSED_PROGRAMS, FOLD_MIN_QUERIES)", none="dualattn.nsa's own",
+                           rows=rows), f, indent=1)
+        return
+    for seqlen, group in PROBLEMS:
+        rows += sweep(seqlen, group, profile_only=out_path == "--profile")
+        torch.cuda.empty_cache()
+    if out_path == "--profile":
+        return
+    with open(out_path, "w") as f:
+        json.dump(dict(command="python benchmarks/tune_nsa_select.py " + out_path, device=torch.cuda.get_device_name(),
+                       versions=dict(torch=torch.__version__, triton=triton.__version__),
+                       importance_variant_fields="(rows per program, pooled blocks per step, num_warps, num_stages)",
+                       topk_variant_fields="(rows per program, num_warps)", none="the plan's tiles",
+                       rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[-1], sys.argv[1] if len(sys.argv) > 2 else None)
