@@ -14,10 +14,7 @@ rows on 4 warps (kernels/nsa/plan.dkv_tiles).
 """
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 
@@ -90,24 +87,15 @@ def registers(plan_tiles):
     """ptxas's registers and spill stores of each variant's dK / dV kernel, for sm_90 and sm_80."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from test_nsa_compile import VARIANTS as SHAPES, _launch
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print("# python benchmarks/tune_nsa_dkv.py --registers (variant: keys, rows, warps, stages; None: the plan's)")
     for variant in REGISTER_VARIANTS:
         nsa_plan.dkv_tiles = tiles_of(variant, plan_tiles)
         for name, shape in SHAPES.items():
             for arch in (90, 80):
                 launch, dtypes = _launch("bwd-dkv", *shape)
-                ptx = compile_check.compile_launch(launch, dtypes, arch=arch).asm["ptx"]
-                with tempfile.TemporaryDirectory() as tmp:
-                    src = os.path.join(tmp, "k.ptx")
-                    with open(src, "w") as f:
-                        f.write(ptx)
-                    log = subprocess.run([ptxas, "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", "-v", src,
-                                          "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
-                regs = re.findall(r"Used (\d+) registers", log)
-                spills = re.findall(r"(\d+) bytes spill stores", log)
+                regs, spills = compile_check.ptxas_usage(compile_check.compile_launch(launch, dtypes, arch=arch), arch)
                 print(f"{str(variant):16s} {name:26s} sm_{arch} keys {launch.constexpr_dict['BLOCK_N']:3d} "
-                      f"warps {launch.num_warps} registers {regs[0]} spill stores {spills[0]} bytes", flush=True)
+                      f"warps {launch.num_warps} registers {regs} spill stores {spills} bytes", flush=True)
     nsa_plan.dkv_tiles = plan_tiles
 
 

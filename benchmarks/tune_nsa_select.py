@@ -15,6 +15,8 @@ whole NSA, fwd + bwd, with the gradients compared with the plan's.
     python benchmarks/tune_nsa_select.py OUT.json
     python benchmarks/tune_nsa_select.py --profile
     python benchmarks/tune_nsa_select.py --folds OUT.json
+    python benchmarks/tune_nsa_select.py --registers     (no GPU needed: ptxas's registers and spills of
+                                                          the plan's importance, top-k and gate kernels)
 """
 import json
 import sys
@@ -172,7 +174,37 @@ def folds(seqlen, group, heads_kv=4, head_dim=128, block_size=64, count=16):
     return rows
 
 
+# (dtype, D, group) of the importance kernels --registers compiles
+REGISTER_SHAPES = [("bfloat16", 128, 16), ("bfloat16", 128, 4), ("bfloat16", 128, 2), ("bfloat16", 128, 1),
+                   ("float32", 128, 16), ("float32", 128, 1), ("float32", 256, 8), ("bfloat16", 256, 16),
+                   ("bfloat16", 256, 1), ("float16", 64, 2), ("float16", 64, 32)]
+
+
+def registers():
+    from dualattn.kernels import compile_check
+    print("# python benchmarks/tune_nsa_select.py --registers (T 8192, Hkv 4, block 64; sm_90, sm_80)")
+
+    def usage(launch, dtypes):
+        return "  ".join("sm_%d %d registers, %d bytes spilled" % ((arch,) + compile_check.ptxas_usage(
+            compile_check.compile_launch(launch, dtypes, arch=arch), arch)) for arch in (90, 80))
+    for dtype, d, group in REGISTER_SHAPES:
+        launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, d, 64, dtype, d ** -0.5)
+        print(f"importance {dtype:8s} D {d:3d} group {group:2d} tokens {launch.constexpr_dict['TOKENS']:3d}  "
+              + usage(launch, dict(query=dtype, k_cmp=dtype, lse="float32")), flush=True)
+    for blocks in (128, 1024, 4096, 32768):
+        launch = nsa_plan.plan_topk(4 * 65536, blocks, 16)
+        print(f"top-k {blocks:5d} blocks, {launch.num_warps:2d} warps  " + usage(launch, dict(scores="float32")),
+              flush=True)
+    for backward in (False, True):
+        launch = (nsa_plan.plan_gates_backward if backward else nsa_plan.plan_gates)(1 << 20, 128, 3)
+        dtypes = {**{f"o{i}": "bfloat16" for i in range(3)}, **{f"g{i}": "bfloat16" for i in range(3)}}
+        dtypes.update(dict(dout="bfloat16") if backward else {})
+        print(f"gates{' backward' if backward else ''}, 3 branches, D 128  " + usage(launch, dtypes), flush=True)
+
+
 def main(out_path, mode=None):
+    if out_path == "--registers":
+        return registers()
     import torch
     rows = []
     if mode == "--folds":

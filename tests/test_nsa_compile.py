@@ -71,6 +71,17 @@ def test_compile_nsa_importance(arch, dtype, group, d):
     assert compiled.metadata.shared <= MAX_SHARED[arch]
 
 
+@pytest.mark.parametrize("dtype, d, group, arch", [("bfloat16", 128, 1, 80), ("bfloat16", 128, 16, 90),
+                                                   pytest.param("float32", 128, 1, 80, marks=pytest.mark.slow)])
+def test_importance_tiles_fit_the_registers(dtype, d, group, arch):
+    """The plan's importance programs (up to 128 rows, 32 tokens) assemble without spilling: 128 tokens
+    a program (group 1) spilled on sm_80 (nsa.plan.importance_tiles)."""
+    launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, d, 64, dtype, d ** -0.5)
+    compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32"), arch=arch)
+    registers, spilled = compile_check.ptxas_usage(compiled, arch)
+    assert spilled == 0, f"{registers} registers, {spilled} bytes spilled"
+
+
 @pytest.mark.parametrize("num_blocks, arch", [(1024, 90), pytest.param(32768, 80, marks=pytest.mark.slow)])
 def test_compile_nsa_top_k(num_blocks, arch):
     """The top-k kernel at T = 64k (block 64) and at its widest rows, without spilling its score row."""

@@ -160,3 +160,22 @@ def compile_launch(launch: Launch, dtypes: Dict[str, str], *, arch: int = 90, sp
     opts.update(options or {})
     return triton.compile(ast_source(launch, dtypes, specialize=specialize),
                           target=GPUTarget("cuda", int(arch), 32), options=opts)
+
+
+def ptxas_usage(compiled, arch: int = 90) -> Tuple[int, int]:
+    """(registers a thread, spill-store bytes) that Triton's own ptxas reports (-v) for a
+    compile_launch result's PTX, assembled for sm_<arch> (sm_90a for 90)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([ptxas, "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", "-v", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    return int(re.findall(r"Used (\d+) registers", log)[0]), int(re.findall(r"(\d+) bytes spill stores", log)[0])

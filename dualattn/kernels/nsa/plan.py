@@ -351,21 +351,30 @@ class ImportanceTiles:
     num_stages: int
 
 
-# Rows of an importance program: 16-bit inputs at D <= 128, and the rest.
-IMPORTANCE_ROWS = 128
-IMPORTANCE_ROWS_WIDE = 64
+# Rows of an importance program (importance_tiles), by input.
+IMPORTANCE_ROWS = 128        # 16-bit, D <= 128
+IMPORTANCE_ROWS_WIDE = 64    # 16-bit, D > 128
+IMPORTANCE_ROWS_FP32 = 16    # fp32: three dots a step (tf32x3) hold more registers
+# At most this many tokens a program: its [tokens, blocks] score tile grows with them (group 1 with
+# 128 tokens spilled 100 bytes on sm_80).
+IMPORTANCE_MAX_TOKENS = 32
 
 
 def importance_tiles(shapes: NsaShapes) -> ImportanceTiles:
-    """The importance kernel's tiles: 128 rows (128 // GROUP_PAD tokens) on 4 warps, 64 pooled blocks a
-    step; 64 rows for fp32 or D > 128.  Each program reads the pooled keys up to its last token's
-    block, so rows are what divides that traffic: with the selected branch's 16 rows the kernel took
-    9.7 ms at T = 64k, group 16 (2.8 at group 4), with 128 rows 2.8 (1.0), the same scores to the bit
-    (H200, bf16, D = 128, Hkv = 4, block 64; benchmarks/tune_nsa_select.py,
-    results/2026-11-27_h200_nsa_select.json)."""
-    wide = shapes.dtype == "float32" or shapes.head_dim > 128
-    rows = IMPORTANCE_ROWS_WIDE if wide else IMPORTANCE_ROWS
-    return ImportanceTiles(max(1, rows // next_pow2(shapes.group_size)), 64, 4, 2)
+    """The importance kernel's tiles: 128 rows (tokens x the group's padded heads, at most 32 tokens)
+    on 4 warps for 16-bit inputs at D <= 128, 64 rows at D > 128, 16 for fp32; 64 pooled blocks a step.
+    Each program reads the pooled keys up to its last token's block, so rows are what divides that
+    traffic: with 16 rows the kernel took 9.7 ms at T = 64k, group 16 (2.8 at group 4), with 128 rows
+    2.8 (1.0), the same scores to the bit (H200, bf16, D = 128, Hkv = 4, block 64;
+    benchmarks/tune_nsa_select.py, results/2026-11-27_h200_nsa_select.json).  These tiles compile
+    without spills for sm_90 and sm_80 (ptxas -v) except fp32 at D = 256, which spills at any row
+    count."""
+    if shapes.dtype == "float32":
+        rows = IMPORTANCE_ROWS_FP32
+    else:
+        rows = IMPORTANCE_ROWS_WIDE if shapes.head_dim > 128 else IMPORTANCE_ROWS
+    tokens = max(1, min(IMPORTANCE_MAX_TOKENS, rows // next_pow2(shapes.group_size)))
+    return ImportanceTiles(tokens, 64, 4, 2)
 
 
 def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_dim: int, block_size: int,
