@@ -5,10 +5,12 @@ TypeError, naming the argument and the expected shape, before any kernel runs.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple, Optional, Sequence
 
 from .kernels.nsa.plan import NsaShapes
+from .sparse import SparseMask
 from .validation import FLOAT_DTYPES, INT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, dtype_name
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -211,6 +213,22 @@ def compressed_blocks(folds: int, piece: int, block_size: int):
         first_key = (np.arange(-(-seqlen_k // block_k)) * block_k + 1) * block_size - 1
         return (first_key[None, None, :] <= last_query[:, :, None])[:, None]
     return build
+
+
+# The compressed branch's block-sparse tiles (blocksparse_attention's default block_q, block_k).
+COMPRESSED_BLOCK = 64
+
+
+@functools.lru_cache(maxsize=64)
+def compressed_layout(batch: int, folds: int, piece: int, num_cmp: int, block_size: int) -> SparseMask:
+    """The compressed branch's SparseMask (compressed_blocks' map over batch * folds rows of `piece`
+    queries and num_cmp pooled keys), built once per shape.  Passing the builder instead rebuilt the
+    map in numpy and uploaded its lists on every call: host time, and a copy from pageable host
+    memory, which waits for the stream's earlier work, in every call.  The layout keeps its device
+    copies (SparseMask.device_cache)."""
+    block_map = compressed_blocks(folds, piece, block_size)(batch * folds, 1, piece, num_cmp, COMPRESSED_BLOCK,
+                                                            COMPRESSED_BLOCK)
+    return SparseMask.from_block_map(block_map, COMPRESSED_BLOCK, COMPRESSED_BLOCK)
 
 
 def sequences(cu_seqlens_values: Optional[Sequence[int]], total: int) -> list:

@@ -126,7 +126,7 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str):
     q_pos = jnp.tile(jnp.arange(folds * piece, dtype=jnp.int32).reshape(folds, piece), (b, 1))
     kv_pos = jnp.broadcast_to((jnp.arange(n, dtype=jnp.int32) + 1) * block_size - 1, (b * folds, n))
     out, lse = blocksparse_attention(q, fold(k_cmp), fold(v_cmp), causal=True, q_positions=q_pos, kv_positions=kv_pos,
-                                     mask_builder=checks.compressed_blocks(folds, piece, block_size),
+                                     layout=checks.compressed_layout(b, folds, piece, n, block_size),
                                      softmax_scale=scale, return_lse=True, backend=backend)
     out = out.reshape(b, folds * piece, *out.shape[2:])[:, :t]
     lse = jnp.swapaxes(lse.reshape(b, folds, -1, piece), 1, 2).reshape(b, -1, folds * piece)[:, :, :t]

@@ -181,7 +181,7 @@ def _compressed(query, key, value, block_size: int, scale: float):
     q_pos = torch.arange(folds * piece, device=query.device).view(folds, piece).repeat(b, 1)
     kv_pos = ((torch.arange(n, device=query.device) + 1) * block_size - 1).expand(b * folds, n)
     out, lse = blocksparse_attention(q, fold(k_cmp), fold(v_cmp), causal=True, q_positions=q_pos, kv_positions=kv_pos,
-                                     mask_builder=checks.compressed_blocks(folds, piece, block_size),
+                                     layout=checks.compressed_layout(b, folds, piece, n, block_size),
                                      softmax_scale=scale, return_lse=True)
     out = out.reshape(b, folds * piece, *out.shape[2:])[:, :t]
     lse = lse.reshape(b, folds, -1, piece).transpose(1, 2).reshape(b, -1, folds * piece)[:, :, :t]

@@ -220,6 +220,22 @@ def test_compressed_branch_shorter_than_a_block_gives_zero_gradients(torch_gen):
     assert not out.any() and all(g is not None and not g.any() for g in grads)
 
 
+def test_compressed_layout_is_built_once_per_shape(torch_gen, monkeypatch):
+    """The compressed branch's block layout is built (and its lists uploaded) once per shape, not on
+    every call: a per-call build cost host time and a host-to-device copy each call."""
+    import dualattn.nsa as checks
+    built = []
+    real = checks.compressed_blocks
+    monkeypatch.setattr(checks, "compressed_blocks", lambda *a: built.append(a) or real(*a))
+    checks.compressed_layout.cache_clear()
+    q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
+    gates = _gates(torch_gen, 1, 64, 2, "c")
+    first = native_sparse_attention(q, k, v, *gates, block_size=16)
+    again = native_sparse_attention(q, k, v, *gates, block_size=16)
+    assert torch.equal(first, again) and len(built) == 1
+    assert ("torch", "cpu") in checks.compressed_layout(1, 1, 64, 4, 16).device_cache
+
+
 def test_native_sparse_attention_varlen(torch_gen):
     cu = torch.tensor([0, 40, 45, 90], dtype=torch.int32)
     q, k, v = qkv(torch_gen, 1, 90, 2, 1, 16)
