@@ -62,11 +62,11 @@ def _grad(fn, inputs, dout):
     return lambda: torch.autograd.grad(fn(), inputs, dout)
 
 
-def _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch_fns):
+def _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch_fns, timing):
     """The whole NSA, NSA without the sliding branch and the selected branch through dualattn.jax_api
     (backend triton, jitted, the torch tensors shared through DLPack), and the same torch calls, all
     timed as n back-to-back calls and one wait (dualattn.bench.flash.throughput_ms: CUDA events on
-    torch's stream do not see JAX's work)."""
+    torch's stream do not see JAX's work; `timing`: its min_ms and repeats)."""
     import jax
     from dualattn import jax_api
     from dualattn.bench.flash import throughput_ms
@@ -87,13 +87,14 @@ def _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch
     for name, (fn, args) in fns.items():
         fwd = jax.jit(fn)
         fwdbwd = jax.jit(lambda d, *a, fn=fn: jax.vjp(fn, *a)[1](d))
-        record(f"jax-dualattn-{name}", "fwd", lambda: throughput_ms(Step(lambda: fwd(*args), jax.block_until_ready)))
+        record(f"jax-dualattn-{name}", "fwd",
+               lambda: throughput_ms(Step(lambda: fwd(*args), jax.block_until_ready), **timing))
         record(f"jax-dualattn-{name}", "fwdbwd",
-               lambda: throughput_ms(Step(lambda: fwdbwd(jd, *args), jax.block_until_ready)))
+               lambda: throughput_ms(Step(lambda: fwdbwd(jd, *args), jax.block_until_ready), **timing))
         torch_fwd, torch_fwdbwd = torch_fns[name]
-        sync = lambda _: torch.cuda.synchronize()  # noqa: E731
-        record(f"torch-dualattn-{name}-back-to-back", "fwd", lambda: throughput_ms(Step(torch_fwd, sync)))
-        record(f"torch-dualattn-{name}-back-to-back", "fwdbwd", lambda: throughput_ms(Step(torch_fwdbwd, sync)))
+        sync = (lambda _: torch.cuda.synchronize()) if q.is_cuda else (lambda _: None)
+        for mode, fn in (("fwd", torch_fwd), ("fwdbwd", torch_fwdbwd)):
+            record(f"torch-dualattn-{name}-back-to-back", mode, lambda fn=fn: throughput_ms(Step(fn, sync), **timing))
 
 
 def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size, count, window, fla,
@@ -157,8 +158,9 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
         torch_fns = {"nsa": (no_grad(nsa), _grad(nsa, (q, k, v, *gates), dout)),
                      "nsa-no-window": (no_grad(nsa_nw), _grad(nsa_nw, (q, k, v, gates[0], gates[1]), dout)),
                      "nsa-selected": (no_grad(selected), _grad(selected, (q, k, v), dout))}
+        timing = dict(min_ms=200.0, repeats=5) if device == "cuda" else dict(min_ms=1.0, repeats=1)
         _jax_cases(lambda system, mode, timed: record(system, mode, None, timer=lambda _: timed()), q, k, v, gates,
-                   dout, idx, opts, count, block_size, torch_fns)
+                   dout, idx, opts, count, block_size, torch_fns, timing)
     return rows
 
 
@@ -197,7 +199,7 @@ def main(argv=None):
     for group in groups:
         for seqlen in seqlens:
             rows += run_case(bench, args.device, seqlen=seqlen, group=group, fla=fla,
-                             jax_too=args.jax and args.device == "cuda", **cfg)
+                             jax_too=args.jax, **cfg)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
