@@ -75,6 +75,9 @@ def _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch
     def share(t):
         return jax.dlpack.from_dlpack(t.detach().contiguous())
     jq, jk, jv, jd, jidx = map(share, (q, k, v, dout, idx))
+
+    def back_to_back(step):
+        return throughput_ms(step, **timing)
     jg = [share(g) for g in gates]
     no_window = dict(opts, window_size=0)
     fns = {"nsa": (lambda q, k, v, a, b, c: jax_api.native_sparse_attention(q, k, v, a, b, c, backend="triton",
@@ -87,14 +90,12 @@ def _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch
     for name, (fn, args) in fns.items():
         fwd = jax.jit(fn)
         fwdbwd = jax.jit(lambda d, *a, fn=fn: jax.vjp(fn, *a)[1](d))
-        record(f"jax-dualattn-{name}", "fwd",
-               lambda: throughput_ms(Step(lambda: fwd(*args), jax.block_until_ready), **timing))
-        record(f"jax-dualattn-{name}", "fwdbwd",
-               lambda: throughput_ms(Step(lambda: fwdbwd(jd, *args), jax.block_until_ready), **timing))
+        for mode, step in (("fwd", lambda: fwd(*args)), ("fwdbwd", lambda: fwdbwd(jd, *args))):
+            record(f"jax-dualattn-{name}", mode, Step(step, jax.block_until_ready), timer=back_to_back)
         torch_fwd, torch_fwdbwd = torch_fns[name]
         sync = (lambda _: torch.cuda.synchronize()) if q.is_cuda else (lambda _: None)
-        for mode, fn in (("fwd", torch_fwd), ("fwdbwd", torch_fwdbwd)):
-            record(f"torch-dualattn-{name}-back-to-back", mode, lambda fn=fn: throughput_ms(Step(fn, sync), **timing))
+        for mode, torch_step in (("fwd", torch_fwd), ("fwdbwd", torch_fwdbwd)):
+            record(f"torch-dualattn-{name}-back-to-back", mode, Step(torch_step, sync), timer=back_to_back)
 
 
 def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size, count, window, fla,
@@ -159,8 +160,7 @@ def run_case(bench, device, dtype, seqlen, heads_kv, group, head_dim, block_size
                      "nsa-no-window": (no_grad(nsa_nw), _grad(nsa_nw, (q, k, v, gates[0], gates[1]), dout)),
                      "nsa-selected": (no_grad(selected), _grad(selected, (q, k, v), dout))}
         timing = dict(min_ms=200.0, repeats=5) if device == "cuda" else dict(min_ms=1.0, repeats=1)
-        _jax_cases(lambda system, mode, timed: record(system, mode, None, timer=lambda _: timed()), q, k, v, gates,
-                   dout, idx, opts, count, block_size, torch_fns, timing)
+        _jax_cases(record, q, k, v, gates, dout, idx, opts, count, block_size, torch_fns, timing)
     return rows
 
 

@@ -193,8 +193,8 @@ def compressed_folds(batch: int, seqlen: int, heads_kv: int, num_cmp: int) -> in
     copies' gradients add up), which multiplies the programs; pieces of at least FOLD_MIN_QUERIES
     queries keep those copies small.  At T = 8k, group 16 (H200, bf16, D = 128, Hkv = 4, block 64) the
     branch's fwd + bwd took 5.6 ms in pieces of 4096 (2 pieces: 16 dK / dV programs), 3.6 in pieces
-    of 512; at 64k (8 pieces either way) 27 ms, within 2% for 8 to 32 pieces
-    (benchmarks/tune_nsa_select.py --folds, results/2026-11-27_h200_nsa_folds.json)."""
+    of 512; at group 4 it went from 3.2 to 3.6 ms; at 64k (8 pieces either way) 27 ms, and 25.4 in 32
+    pieces (benchmarks/tune_nsa_select.py --folds, results/2026-11-27_h200_nsa_folds.json)."""
     key_tiles = -(-num_cmp // 64)
     want = -(-COMPRESSED_PROGRAMS // (key_tiles * batch * heads_kv))
     return max(1, min(want, seqlen // FOLD_MIN_QUERIES))

@@ -63,6 +63,16 @@ class Launch:
     def constexpr_dict(self) -> dict:
         return dict(self.constexprs)
 
+    # The torch launcher keys its per-launch records on launches (torch_api/_launch._prepared), so equal
+    # plans share one record however often a front end builds them anew; the hash of the nested
+    # tuples is worked out once per object.
+    def __hash__(self):
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
+
 
 def row_major_strides(shape) -> Tuple[int, ...]:
     strides, acc = [], 1

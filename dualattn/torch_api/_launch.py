@@ -41,7 +41,7 @@ class _Prepared:
                  "variants")
 
     def __init__(self, launch: Launch, interpret: bool):
-        self.launch = launch  # held, so that id(launch) is not reused while this record lives
+        self.launch = launch
         self.kernel = _interpret.kernel(launch.module, launch.kernel, interpret=interpret)
         self.interpreted = interpret
         self.scalars = [value for _, value in launch.scalars]
@@ -69,17 +69,19 @@ def _allocator(output):
     return functools.partial(torch.full, fill_value=output.fill)
 
 
-# id(launch) -> its _Prepared record.
-_COMPILED: Dict[int, _Prepared] = {}
+# (launch, interpreted) -> its _Prepared record.  Keyed on the launch's value: the flash plans, memoised,
+# find theirs by identity at once; plans built anew on every call (NSA's) find the record of an equal
+# launch, where keying on id(launch) added a record, and a first launch through the JITFunction, per call.
+_COMPILED: Dict[Tuple[Launch, bool], _Prepared] = {}
 _COMPILED_LOCK = threading.Lock()
 
 
 def _prepared(launch: Launch, interpret: bool) -> _Prepared:
-    prep = _COMPILED.get(id(launch))
-    if prep is None or prep.launch is not launch or prep.interpreted != interpret:
-        prep = _Prepared(launch, interpret)
+    key = (launch, interpret)
+    prep = _COMPILED.get(key)
+    if prep is None:
         with _COMPILED_LOCK:
-            _COMPILED[id(launch)] = prep
+            prep = _COMPILED.setdefault(key, _Prepared(launch, interpret))
     return prep
 
 

@@ -236,6 +236,22 @@ def test_compressed_layout_is_built_once_per_shape(torch_gen, monkeypatch):
     assert ("torch", "cpu") in checks.compressed_layout(1, 1, 64, 4, 16).device_cache
 
 
+def test_repeated_calls_add_no_launch_records(torch_gen):
+    """NSA's plans are built anew on every call; equal launches share one launcher record (keyed on
+    the launch's value), so a training loop does not add records, and first-launch work, per step."""
+    from dualattn.torch_api import _launch
+    q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
+    gates = _gates(torch_gen, 1, 64, 2)
+
+    def step():
+        out = native_sparse_attention(q, k, v, *gates, block_counts=2, block_size=16, window_size=8)
+        torch.autograd.grad(out, (q, k, v, *gates), torch.ones_like(out))
+    step()
+    records = len(_launch._COMPILED)
+    step()
+    assert len(_launch._COMPILED) == records
+
+
 def test_native_sparse_attention_varlen(torch_gen):
     cu = torch.tensor([0, 40, 45, 90], dtype=torch.int32)
     q, k, v = qkv(torch_gen, 1, 90, 2, 1, 16)

@@ -5,8 +5,9 @@
     d o_x = g_x * dout,   d g_x = sum over D of o_x * dout
 
 The branches given sit in slots 0, 1, 2 in that order (cmp, slc, swa, the absent ones left out), and
-BRANCHES says how many there are, so slot 0 always holds an array.  Each product and sum rounds to the output dtype in
-the order written, as the framework expression does.  Why a kernel: torch runs that expression as a
+BRANCHES says how many there are, so slot 0 always holds an array.  The sum is computed in the
+output dtype, term by term in that order (the compiler may fuse a product and its sum into one
+rounding, which the framework expression rounds twice).  Why a kernel: torch runs that expression as a
 broadcast multiply per branch plus the adds, and its backward as a multiply and a reduction per
 branch: at T = 64k, Hq = 64, D = 128 each of those passes reads and writes 1 GB, and the forward's
 five took 5.4 of NSA's 42 ms (H200, torch.profiler; docs/nsa.md).  XLA fuses the same expression
@@ -31,7 +32,7 @@ def _rows(rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexp
 def _add_term(out, O, G, offs, mask, offs_r, row_ok):
     g = tl.load(G + offs_r, mask=row_ok, other=0.0).to(out.dtype)
     o = tl.load(O + offs, mask=mask, other=0.0)
-    return out + g[:, None] * o   # (0 + x is x exactly: the first term is not rounded twice)
+    return out + g[:, None] * o   # (the first term adds to 0: exact)
 
 
 @triton.jit(do_not_specialize=["rows"])

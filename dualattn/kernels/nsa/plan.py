@@ -366,9 +366,9 @@ def importance_tiles(shapes: NsaShapes) -> ImportanceTiles:
     Each program reads the pooled keys up to its last token's block, so rows are what divides that
     traffic: with 16 rows the kernel took 9.7 ms at T = 64k, group 16 (2.8 at group 4), with 128 rows
     2.8 (1.0), the same scores to the bit (H200, bf16, D = 128, Hkv = 4, block 64;
-    benchmarks/tune_nsa_select.py, results/2026-11-27_h200_nsa_select.json).  These tiles compile
-    without spills for sm_90 and sm_80 (ptxas -v) except fp32 at D = 256, which spills at any row
-    count."""
+    benchmarks/tune_nsa_select.py, results/2026-11-27_h200_nsa_select.json).  For groups of up to 16
+    heads these tiles assemble without spills for sm_90 and sm_80 (ptxas -v), except fp32 at D = 256,
+    which spills at any row count; larger groups (more rows than the target) can spill."""
     if shapes.dtype == "float32":
         rows = IMPORTANCE_ROWS_FP32
     else:
@@ -413,8 +413,9 @@ def topk_tiles(block_nb: int) -> Tuple[int, int]:
     """(rows per program, num_warps) of the top-k kernel for rows of block_nb (a power of two) scores:
     2048 scores a warp (64 registers a thread), rows on one warp while they fit, so that a round's
     maximum and first index are warp shuffles, not a reduction across warps through shared memory
-    (T = 64k, 1024 blocks: 1.57 ms on one warp, 1.81 on 4; tune_nsa_select.py)."""
-    return max(1, 2048 // block_nb), max(1, block_nb // 2048)
+    (T = 64k, 1024 blocks: 1.57 ms on one warp, 1.81 on 4; tune_nsa_select.py).  At most 4 rows, the
+    most the sweep timed (T = 8k, 128 blocks: 4 rows on a warp 0.075 ms, the 4-warp tile 0.115)."""
+    return max(1, min(4, 2048 // block_nb)), max(1, block_nb // 2048)
 
 
 def plan_topk(rows: int, num_blocks: int, count: int) -> Optional[Launch]:
