@@ -163,15 +163,16 @@ def compile_launch(launch: Launch, dtypes: Dict[str, str], *, arch: int = 90, sp
 
 
 def ptxas_usage(compiled, arch: int = 90) -> Tuple[int, int]:
-    """(registers a thread, spill-store bytes) that Triton's own ptxas reports (-v) for a
-    compile_launch result's PTX, assembled for sm_<arch> (sm_90a for 90)."""
+    """(registers a thread, spill-store bytes) that Triton's own ptxas (the one it compiles with, as
+    jax_api/ptxas.triton_ptxas finds it) reports (-v) for a compile_launch result's PTX, assembled
+    for sm_<arch> (sm_90a for 90)."""
     import os
     import re
     import subprocess
     import tempfile
 
-    import triton
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(arch).path
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
