@@ -573,7 +573,8 @@ def _flash_heuristics_cpu(shapes, options, arch):
 
 
 def _flash_heuristics_cuda(shapes, options, arch):
-    return _flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal)
+    return _flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal,
+                                      window_keys=_flash_plan.causal_window_keys(options))
 
 
 # Autotune search space (block_m, block_n, warps, stages), as benchmarks/tune_flash.py sweeps it.

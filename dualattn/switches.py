@@ -16,7 +16,8 @@ tests do, in the interpreter).  Each is "0" (off), "1" (on whatever the speed ru
     DUALATTN_WS_BAND        the warp-specialised forward's band inside its loop (plan.ws_band_in_loop)
     DUALATTN_EDGES_IN_LOOP  the portable kernels' masked band edges inside the one loop
                             (plan.edges_in_loop)
-    DUALATTN_GLUON_FWD      the Gluon forward ("0" only: plan.gluon_forward)
+    DUALATTN_GLUON_FWD      the Gluon forward (plan.gluon_forward); "1" also for the short causal
+                            windows the portable forward runs (hopper.short_window_forward)
     DUALATTN_ONE_PASS       the one-pass Gluon backward (plan.one_pass_backward)
     DUALATTN_NUM_SMS        an SM count in place of the device's (persistent launches in the
                             interpreter, or with fewer programs than SMs)

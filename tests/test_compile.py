@@ -118,7 +118,8 @@ class Variant:
         out = _array(flash_plan.out_shape(shapes), self.dtype)
         strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
         # What executor.select_config falls back to on a GPU without cached or autotuned tiles.
-        config = flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal)
+        config = flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal,
+                                          window_keys=flash_plan.causal_window_keys(options))
         extra, dtypes = {}, {k: a.dtype for k, a in arrays.items()}
         if self.sparse:
             bq, bk = self.sparse
@@ -169,6 +170,9 @@ FAST = (
             window=(3000, 0), softcap=30.0, bias="bcast"),
     # the soft cap's exp2 tanh, as DUALATTN_FAST_TANH=0 runs it on a GPU
     Variant("bf16-d128-causal-softcap-exp2", causal=True, softcap=30.0, hardware_tanh=False),
+    # a short causal window (GPT-OSS-like): the portable forward on tiles.SHORT_WINDOW_FWD_TILE, on sm_90 too
+    Variant("bf16-d128-gqa-shortwindow-sinks1", sq=512, sk=512, hq=8, hkv=2, window=(100, 0), sinks=("head", 1),
+            ws=True, num_sms=132, tma=True),
 )
 
 # ---- slow tier: each option alone (bf16, D=128), and each (dtype, head dims) with no option ----

@@ -37,7 +37,8 @@ def _fitted(variant, arch):
     arrays, shapes, options = variant.problem()
     out = types.SimpleNamespace(shape=flash_plan.out_shape(shapes), dtype=variant.dtype)
     strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
-    config = flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal)
+    config = flash_plan.default_config(shapes, interpret=False, arch=arch, causal=options.causal,
+                                      window_keys=flash_plan.causal_window_keys(options))
     dtypes = {k: a.dtype for k, a in arrays.items()}
     if variant.dropout:
         dtypes["dropout_seed"] = "int32"

@@ -147,6 +147,26 @@ def throughput_ms(step: Step, min_ms: float = 200.0, repeats: int = 5) -> float:
     return sorted(rounds)[len(rounds) // 2]
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 5, width: int = 70) -> dict:
+    """{kernel name (first `width` characters): device ms per call} of `fn` over `calls` calls after one
+    warm-up, from torch.profiler: CUPTI sees every kernel on the GPU, JAX's and XLA's included."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    table = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_time > 0:
+            table[e.name[:width]] += e.device_time / calls / 1e3
+    return dict(table)
+
+
 def measure_system(system: System, inputs, ref, causal: bool, modes: Sequence[str], timer: Callable,
                    tol: float, step: Callable[[int], None] = lambda n: None) -> List[Measurement]:
     """Build the system, check its forward against `ref`, then time each mode. Never raises."""

@@ -33,12 +33,20 @@ def triton_ptxas(arch: int = 90) -> str:
 
 
 def kernel_names() -> tuple:
-    """The entry names of dualattn's Triton kernels (what the router looks for in a PTX file)."""
+    """The entry names of dualattn's Triton kernels (what the router looks for in a PTX file): every
+    `*_kernel` JIT function of a module under dualattn/kernels (flash, nsa, ...)."""
+    import importlib
+    import pathlib
+
     import triton
-    from ..kernels.flash import backward, backward_gluon, forward, forward_gluon
-    return tuple(sorted(name for module in (forward, backward, forward_gluon, backward_gluon)
-                        for name, obj in vars(module).items()
-                        if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")))
+    from .. import kernels
+    root = pathlib.Path(kernels.__file__).parent
+    names = set()
+    for path in sorted(p for p in root.rglob("*.py") if p.name != "__init__.py"):
+        module = importlib.import_module(".".join((kernels.__name__,) + path.relative_to(root).with_suffix("").parts))
+        names.update(name for name, obj in vars(module).items()
+                     if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"))
+    return tuple(sorted(names))
 
 
 def default_ptxas(path: Optional[str] = None) -> Optional[str]:

@@ -56,10 +56,10 @@ def test_plan_takes_the_gluon_forward():
     # sinks join after the loop; a causal sliding window (Mistral, GPT-OSS) narrows each tile's keys
     sinks = _plan(causal=True, sinks=True)
     assert sinks.kernel == GLUON_FWD and sinks.constexpr_dict["NUM_SINKS"] == 1 and "softmax_aux" in sinks.inputs
-    window = _plan(sliding_window=(100, 0), sinks=True)
+    window = _plan(sliding_window=(200, 0), sinks=True)
     assert window.kernel == GLUON_FWD
     assert (window.constexpr_dict["CAUSAL"], window.constexpr_dict["WINDOW"]) == (True, True)
-    assert dict(window.scalars)["window_left"] == 100
+    assert dict(window.scalars)["window_left"] == 200
     # the soft cap: the GPU's tanh on a GPU (16-bit inputs), the exp2 form otherwise (plan.softcap_mode)
     capped = _plan(causal=True, logits_soft_cap=30.0, hardware_tanh=True)
     assert capped.kernel == GLUON_FWD and capped.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU
@@ -132,6 +132,37 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
     assert _plan().kernel == "flash_fwd_kernel"
 
 
+def test_plan_runs_short_windows_on_the_portable_forward(monkeypatch):
+    """Causal windows of up to SHORT_WINDOW_KEYS[d] keys (GPT-OSS: 128 with sinks) run the portable forward,
+    at D=128 on SHORT_WINDOW_FWD_TILE from the executor's heuristics; longer windows, other head dims, and
+    windows with a per-element option or soft cap keep the Gluon forward, as does DUALATTN_GLUON_FWD=1."""
+    from dualattn import executor
+    from dualattn.kernels.flash import hopper, tiles
+
+    def planned(d, window, **extra):
+        shapes, options, strides, _ = gluon_problem(d=d, sq=2048, sk=2048, hq=8, hkv=2, sliding_window=window,
+                                                    **extra)
+        config = executor._flash_heuristics_cuda(shapes, options, 90)
+        return flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                       num_sms=132).chain[-1]
+    for d in (64, 128):
+        keys = hopper.SHORT_WINDOW_KEYS[d]
+        for window, extra in (((keys - 1, 0), {}), ((0, 0), dict(sinks=True)), ((keys // 2, 0), dict(sinks=True))):
+            launch = planned(d, window, **extra)
+            assert launch.kernel == "flash_fwd_kernel" and not launch.constexpr_dict["WARP_SPECIALIZE"], (d, window)
+            assert launch.constexpr_dict["EDGES_IN_LOOP"]
+            if d == 128 and window[0] < tiles.SHORT_WINDOW_TILE_KEYS:
+                tile = tiles.SHORT_WINDOW_FWD_TILE
+                assert (launch.constexpr_dict["BLOCK_M"], launch.constexpr_dict["BLOCK_N"], launch.num_warps,
+                        launch.num_stages) == (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)
+        assert planned(d, (keys, 0)).kernel == GLUON_FWD, d
+        for extra in (dict(bias=True), dict(mask=True), dict(logits_soft_cap=30.0)):
+            assert planned(d, (keys - 1, 0), **extra).kernel == GLUON_FWD, (d, extra)
+    assert planned(128, (63, 63)).kernel == "flash_fwd_kernel"    # not causal: never the Gluon forward
+    set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "1")
+    assert planned(64, (127, 0), sinks=True).kernel == GLUON_FWD
+
+
 @pytest.mark.parametrize("d, causal, hq, hkv, dtype, sk, extra", [
     (128, True, 4, 4, "bfloat16", 1024, {}), (128, False, 8, 2, "bfloat16", 1024, {}),
     (64, True, 8, 2, "float16", 1024, {}), (64, False, 4, 4, "bfloat16", 1000, {}),
@@ -146,6 +177,7 @@ def test_plan_keeps_the_triton_forward(monkeypatch):
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
     """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store;
     the soft cap's tanh as the GPU's tanh.approx where the plan asks for it."""
+    set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "1")   # short windows too (hopper.short_window_forward)
     launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk, **extra).chain[-1]
     assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
     compiled = compile_check.compile_launch(
@@ -201,8 +233,32 @@ def test_gpu_gluon_forward(case, monkeypatch, seed):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     kernels = spy_kernels(monkeypatch, "plan_forward")
+    set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "1")   # short windows too (hopper.short_window_forward)
     check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"persistent": flash_plan.PERSISTENT_ENV})
     assert kernels == [GLUON_FWD], kernels
+
+
+SHORT_WINDOW_GPU_CASES = {
+    # GPT-OSS's sliding layers: window 128 with a sink per head, GQA; ragged lengths, more keys than queries
+    "d64-window128-sinks-gqa": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=64, opts=dict(sliding_window=(127, 0)),
+                                    sinks=True),
+    "d64-window1000-ragged": dict(b=1, sq=1000, sk=1100, hq=2, hkv=1, d=64, opts=dict(sliding_window=(999, 0))),
+    "d128-window100-sinks-ragged": dict(b=1, sq=900, sk=1000, hq=4, hkv=4, d=128,
+                                        opts=dict(sliding_window=(100, 0)), sinks=True),
+    "d128-window-one-key": dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(sliding_window=(0, 0))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(SHORT_WINDOW_GPU_CASES))
+def test_gpu_short_windows_run_the_portable_forward(case, monkeypatch, seed):
+    """hopper.short_window_forward's cases on the GPU: the portable forward, forward and backward against
+    the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the rule chooses between sm_90 kernels")
+    kernels = spy_kernels(monkeypatch, "plan_forward")
+    check_gpu_case(monkeypatch, SHORT_WINDOW_GPU_CASES[case], seed, {})
+    assert kernels == ["flash_fwd_kernel"], kernels
 
 
 @pytest.mark.gpu

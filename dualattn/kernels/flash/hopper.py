@@ -13,7 +13,7 @@ from ... import switches
 from ...options import FlashOptions
 from ...validation import FlashShapes
 from ..launch import cdiv
-from .tiles import SparseInfo, TileConfig
+from .tiles import SparseInfo, TileConfig, causal_window_keys
 
 def tma_requested() -> bool:
     """Whether launchers ask for TMA tile loads in every kernel (the plan still checks each problem:
@@ -334,6 +334,27 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     if not all(score_tiles_copyable(shapes, strides, name) for name in ("bias", "attention_mask")):
         return False
     return strides["out"][2] == shapes.head_dim and whole_array_rows(shapes, strides, ("query", "key", "value"))
+
+
+# Causal sliding windows of at most this many keys a row, by head dim, run the forward on the portable kernel
+# (its tiles: tiles.default_config), not the Gluon one.  A window's query tile reads few key tiles, so the
+# Gluon forward's fixed cost per work item (NOTES: "Short items pay a fixed cost per query tile") dominates,
+# where the portable grid of 64 x 64 tiles runs several programs per SM that hide each other's set-up.  H200,
+# S=8192, forward kernel time, portable / Gluon (NOTES: "Short windows run the portable forward"): D=64 (H=32)
+# window 128 with sinks 0.144 / 0.230 ms, 256 0.181 / 0.214, 512 0.250 / 0.266, 1024 0.390 / 0.402; D=128 (H=16)
+# window 128 with sinks 0.121 / 0.142, 256 0.159 / 0.152.
+SHORT_WINDOW_KEYS = {64: 1024, 128: 128}
+
+
+def short_window_forward(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
+    """Whether the forward runs a causal sliding window of at most SHORT_WINDOW_KEYS[head dim] keys on the
+    portable kernel.  Only with the options it was measured with (sinks, GQA): a bias, mask, segment ids,
+    dropout or soft cap keep the Hopper kernels' rules."""
+    const = dict(constexprs)
+    keys = causal_window_keys(options)
+    return (keys is not None and shapes.head_dim == shapes.head_dim_v
+            and keys <= SHORT_WINDOW_KEYS.get(shapes.head_dim, 0) and not const["SOFTCAP"]
+            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
 def sparse_on_gluon_tiles(sparse: Optional[SparseInfo]) -> bool:

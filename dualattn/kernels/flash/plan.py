@@ -21,12 +21,13 @@ from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILE, GLUON_FWD
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
                      gluon_allowed, gluon_forward, one_pass_backward, one_pass_persistent, persistent_backward,
-                     persistent_forward, split_band, split_band_pays, tma_requested, warp_specialize_requested,
+                     persistent_forward, short_window_forward, split_band, split_band_pays, tma_requested,
+                     warp_specialize_requested,
                      warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
 from . import rules
 from .segments import RANGE_FIELDS
 from .tiles import (SHORT_SEQ_BUCKETS, TUNED, TUNED_FILE_ENV, FlashConfig, SparseInfo, TileConfig,  # noqa: F401
-                    default_config, tuned_key)
+                    causal_window_keys, default_config, tuned_key)
 
 FAST_TANH_ENV = "DUALATTN_FAST_TANH"   # "0": the soft cap's exp2 tanh on the GPU too (softcap_mode)
 
@@ -304,12 +305,16 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
                                           softcap_mode(shapes, options, hardware_tanh, env))
     switch = env
-    if gluon and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
+    # Short causal windows: the portable kernel's grid of small tiles beats both Hopper forwards
+    # (DUALATTN_GLUON_FWD=1 keeps them on the Gluon forward: its tests).
+    hopper = (sparse is not None or switch.get(GLUON_FWD_ENV) == "1"
+              or not short_window_forward(shapes, options, constexprs))
+    if gluon and hopper and gluon_forward(shapes, options, sparse, strides, constexprs, switch.get(GLUON_FWD_ENV)):
         return _gluon_forward_launch(shapes, options, dict(scalars), diag_shift, num_sms, dict(constexprs)["SOFTCAP"],
                                      sparse)
     persistent = (persistent_forward(shapes, num_sms, switch.get(PERSISTENT_ENV))   # if warp-specialised
                   and whole_array_tiles(shapes, scalars, constexprs))
-    ws = warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
+    ws = hopper and warp_specialize and (warp_specialized_forward(shapes, sparse, constexprs) or (
         persistent and _warp_specializable(shapes, sparse, constexprs)))
     split = ws and split_band(shapes, constexprs)
     if split and ws_band_in_loop(shapes, constexprs, persistent, switch.get(WS_BAND_ENV)):
