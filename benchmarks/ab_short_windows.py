@@ -9,6 +9,9 @@ tiles.SHORT_WINDOW_FWD_TILE (benchmarks/NOTES.md, "Short windows run the portabl
     python benchmarks/ab_short_windows.py --fwdbwd   window 128 + sinks, D=64: torch and JAX fwd+bwd, wall time
                                                      (back-to-back calls) and each kernel's time, with the
                                                      portable forward and with the Gluon one
+    python benchmarks/ab_short_windows.py --backward fwd+bwd kernel time (torch) of short windows with the
+                                                     one-pass Gluon backward, the two-pass warp-specialised
+                                                     one, and the two-pass portable one on several tiles
 """
 import argparse
 import contextlib
@@ -84,7 +87,43 @@ def fwdbwd():
                     print(f"   {kms:8.4f}  {kname}")
 
 
+def backward_kernels():
+    """Which backward for short windows: fwd+bwd kernel time (the forward is the same portable one in every
+    variant), by backward kernel family and, for the portable two-pass one, by (dK/dV, dQ) tile."""
+    from dualattn import executor
+    from dualattn.kernels.flash import tiles
+    gen = torch.Generator().manual_seed(0)
+    variants = {"one-pass": ({}, None), "two-pass ws": (dict(DUALATTN_ONE_PASS="0"), None),
+                "two-pass portable": (dict(DUALATTN_ONE_PASS="0", DUALATTN_WS="0"), None)}
+    for dkdv, dq in (((64, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 3), (64, 32, 4, 3)),
+                     ((64, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 4, 3), (128, 32, 4, 3))):
+        config = tiles.FlashConfig(tiles.SHORT_WINDOW_FWD_TILE, tiles.TileConfig(*dkdv), tiles.TileConfig(*dq))
+        variants[f"two-pass portable {dkdv[:3]} {dq[:3]}"] = (dict(DUALATTN_ONE_PASS="0", DUALATTN_WS="0"), config)
+    for D, H, win, sinks in ((64, 32, 128, True), (128, 16, 128, True), (64, 32, 512, False), (64, 32, 1024, False)):
+        q, k, v = (torch.randn(B, S, H, D, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
+        aux = torch.randn(H, generator=gen).cuda().requires_grad_()
+        dout = torch.randn_like(q)
+        pairs = B * H * sum(min(i + 1, win) for i in range(S))
+
+        def fn():
+            out = dt.flash_attention(q, k, v, causal=True, sliding_window=(win - 1, 0),
+                                     softmax_aux=aux if sinks else None)
+            return torch.autograd.grad(out, (q, k, v, aux) if sinks else (q, k, v), dout)
+        for rnd in range(2):
+            for name, (env, config) in variants.items():
+                pinned = executor.override(config, algorithm="flash") if config else contextlib.nullcontext()
+                with switches.override(**env), pinned:
+                    table = kernel_times(fn, calls=20, width=40)
+                ms = sum(table.values())
+                kernels = ", ".join(f"{n} {t:.4f}" for n, t in sorted(table.items(), key=lambda x: -x[1]))
+                print(f"D={D} win={win} sinks={sinks} round {rnd} {name:44s} {ms:7.4f} ms "
+                      f"{4 * 2.5 * D * pairs / ms / 1e9:5.0f} TF/s [{kernels}]", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fwdbwd", action="store_true")
-    fwdbwd() if ap.parse_args().fwdbwd else forward_tiles()
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--fwdbwd", action="store_true")
+    mode.add_argument("--backward", action="store_true")
+    args = ap.parse_args()
+    fwdbwd() if args.fwdbwd else backward_kernels() if args.backward else forward_tiles()

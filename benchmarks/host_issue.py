@@ -12,6 +12,8 @@ case.  Run the torch cases again after JAX has run a large jitted step in the pr
 sweep's order), to see whether JAX's runtime threads slow the torch host path.
 
     python benchmarks/host_issue.py
+    python benchmarks/host_issue.py --gpt-oss   only GPT-OSS's sliding layer (B=2, S=8192, H=32, D=64, window
+                                                128 with sinks) fwd+bwd, and cProfile of issuing it
 """
 import cProfile
 import gc
@@ -36,15 +38,32 @@ SLEEP_CYCLES = int(6e8)  # ~0.3 s at the H100's clock: longer than issuing N cal
 N = 100
 
 
-def make(B, S, H, D, causal, mode):
+def make(B, S, H, D, causal, mode, **options):
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     if mode == "fwd":
         def call():
             with torch.no_grad():
-                return dt.flash_attention(q, k, v, causal=causal)
+                return dt.flash_attention(q, k, v, causal=causal, **options)
         return call
-    qg, kg, vg = (t.requires_grad_() for t in (q, k, v))
-    return lambda: torch.autograd.grad(dt.flash_attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [t for t in options.values() if getattr(t, "requires_grad", 0)]
+    return lambda: torch.autograd.grad(dt.flash_attention(*leaves[:3], causal=causal, **options), leaves, do)
+
+
+def gpt_oss():
+    """GPT-OSS's sliding layers: the torch path's gpu / issue / b2b figures and where the issue time goes."""
+    sinks = torch.randn(32, device="cuda").requires_grad_()
+    call = make(2, 8192, 32, 64, True, "fwdbwd", sliding_window=(127, 0), softmax_aux=sinks)
+    report("d64 window128 sinks fwdbwd", call)
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    profile.enable()
+    for _ in range(N):
+        call()
+    profile.disable()
+    torch.cuda.synchronize()
+    print(f"-- cProfile, {N} calls (times inflated by the profiler)")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
 
 def behind_sleep(call, n=N):
@@ -132,4 +151,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    gpt_oss() if "--gpt-oss" in sys.argv[1:] else main()

@@ -18,7 +18,8 @@ tests do, in the interpreter).  Each is "0" (off), "1" (on whatever the speed ru
                             (plan.edges_in_loop)
     DUALATTN_GLUON_FWD      the Gluon forward (plan.gluon_forward); "1" also for the short causal
                             windows the portable forward runs (hopper.short_window_forward)
-    DUALATTN_ONE_PASS       the one-pass Gluon backward (plan.one_pass_backward)
+    DUALATTN_ONE_PASS       the one-pass Gluon backward (plan.one_pass_backward); "1" also for the short
+                            causal windows the portable backward runs (hopper.short_window_backward)
     DUALATTN_NUM_SMS        an SM count in place of the device's (persistent launches in the
                             interpreter, or with fewer programs than SMs)
     DUALATTN_FLASH_TUNED    a JSON tile table that overrides plan.TUNED (benchmarks/tune_flash.py)

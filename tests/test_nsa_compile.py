@@ -105,3 +105,19 @@ def test_compile_nsa_gates(arch, dtype, d, branches, backward):
     compiled = compile_check.compile_launch(launch, dtypes, arch=arch)
     assert f".entry {launch.kernel}(" in compiled.asm["ptx"]
     assert ".local" not in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("spec", ["torch", "jax"])
+def test_dkv_register_cap_fits_three_programs_an_sm(spec):
+    """16-bit dK / dV programs with heads wider than 64 carry plan.DKV_MAX_REGISTERS into their PTX
+    (.maxnreg) under both launchers' specialisations, and ptxas keeps them within it: three programs
+    of 4 warps an SM (benchmarks/NOTES.md, "NSA's dK/dV: a register cap").  D = 64 is not capped."""
+    launch, dtypes = _launch("bwd-dkv", *VARIANTS["bf16-d128-g16-entries"])
+    assert launch.max_registers == nsa_plan.DKV_MAX_REGISTERS and launch.num_warps == 4
+    assert 3 * launch.max_registers * 32 * launch.num_warps <= 65536
+    compiled = compile_check.compile_launch(launch, dtypes, arch=90, specialize=spec)
+    assert f".maxnreg {launch.max_registers}" in compiled.asm["ptx"]
+    registers, spilled = compile_check.ptxas_usage(compiled, 90)
+    assert registers <= launch.max_registers and spilled == 0, (registers, spilled)
+    narrow, _ = _launch("bwd-dkv", "bfloat16", 64, 16, 64, 16, 8192, False, False, False)
+    assert narrow.max_registers is None

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..kernels import _interpret, host
-from ..kernels.launch import Launch
-from . import _gluon, _scratch, ptxas
+from ..kernels.launch import Launch, compile_options
+from . import _compile, _scratch, ptxas
 
 _DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int32": jnp.int32,
            "int8": jnp.int8}
@@ -63,7 +63,7 @@ def _import_jax_triton():
         os.environ["TRITON_CACHE_DIR"] = saved
     # Before the first launch is traced, so before jaxlib assembles any of our kernels.
     ptxas.apply_env(gpu_arch())
-    _gluon.install(jax_triton)
+    _compile.install(jax_triton)
     return jax_triton
 
 
@@ -104,6 +104,8 @@ def _run_one(launch: Launch, arrays: Dict[str, jax.Array]) -> Dict[str, jax.Arra
         if any(o.scratch for o in launch.outputs):
             _scratch.register(jt, launch.kernel, _scratch.ptx_param_count(launch))
         zeroed = tuple(i for i, o in enumerate(launch.outputs) if o.zeroed)  # must be hashable
+        _compile.require_options(kernel, launch.constexpr_dict, launch.num_warps, launch.num_stages,
+                                 compile_options(launch))
         outs = jt.triton_call(*args, kernel=kernel, out_shape=_types(launch.outputs, arrays), grid=launch.grid,
                               num_warps=launch.num_warps, num_stages=launch.num_stages,
                               zeroed_outputs=zeroed, **launch.constexpr_dict)

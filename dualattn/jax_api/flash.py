@@ -44,7 +44,7 @@ class _Static:
     sparse: Optional[flash_plan.SparseInfo] = None  # block-sparse layout; its lists are in the arrays
     tma: bool = False               # plan flags, as the torch launcher sets them (_descriptor_flags)
     warp_specialize: bool = False
-    gluon: bool = False             # may run the Gluon kernels (plan.gluon_allowed; _gluon.py)
+    gluon: bool = False             # may run the Gluon kernels (plan.gluon_allowed; _compile.py)
     num_sms: int = 0                # the GPU's SMs, for persistent launches (plan.persistent_forward, _backward)
     arch: int = 0                   # the GPU's compute capability (90, 80); 0: the CPU interpreter
     max_shared: int = 0             # its shared memory per block: portable launches are fitted to it (fit.py)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 from typing import Dict, Optional, Tuple
 
-from .launch import Launch
+from .launch import Launch, compile_options
 
 # numpy/torch/jax dtype names -> Triton pointer element types
 _TRITON_TYPES = {
@@ -156,7 +156,7 @@ def compile_launch(launch: Launch, dtypes: Dict[str, str], *, arch: int = 90, sp
     import triton
     from triton.backends.compiler import GPUTarget
 
-    opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages, **compile_options(launch)}
     opts.update(options or {})
     return triton.compile(ast_source(launch, dtypes, specialize=specialize),
                           target=GPUTarget("cuda", int(arch), 32), options=opts)

@@ -43,6 +43,10 @@ class Launch:
     constexprs: Tuple[Tuple[str, object], ...]
     num_warps: int
     num_stages: int
+    # A cap on the registers a thread (Triton's `maxnreg`, PTX's .maxnreg), so that a number of programs
+    # fit an SM whatever the Triton release's register allocation; None: ptxas chooses.  Both
+    # launchers compile with it (jax-triton has no such option: jax_api/_compile.py).
+    max_registers: Optional[int] = None
     # A launch that runs next and takes these results on: its inputs named in `resume` (input,
     # this launch's output) are bound to them, and its outputs of the same names replace them.
     # Launchers may run it in place (torch: the same tensors) or into fresh buffers (JAX).
@@ -72,6 +76,11 @@ class Launch:
     @functools.cached_property
     def _hash(self) -> int:
         return hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
+
+
+def compile_options(launch: Launch) -> dict:
+    """The compiler options a launch asks for beyond warps and stages (triton.compile's names)."""
+    return {} if launch.max_registers is None else {"maxnreg": launch.max_registers}
 
 
 def row_major_strides(shape) -> Tuple[int, ...]:

@@ -10,7 +10,7 @@ import triton
 from triton.runtime import _allocation
 
 from ..kernels import _interpret
-from ..kernels.launch import Launch
+from ..kernels.launch import Launch, compile_options
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "int32": torch.int32, "int8": torch.int8}
@@ -104,7 +104,7 @@ def _launch_cached(prep: _Prepared, args: list, device: torch.device) -> None:
     hit = prep.variants.get(spec)
     if hit is None:
         compiled = prep.kernel[launch.grid](*args, **prep.constexprs, num_warps=launch.num_warps,
-                                            num_stages=launch.num_stages)
+                                            num_stages=launch.num_stages, **compile_options(launch))
         prep.variants[spec] = (compiled, [prep.constexprs[name] for name in prep.kernel.arg_names[len(args):]])
         return
     compiled, tail = hit

@@ -1,6 +1,7 @@
-"""Gluon kernels through jax-triton (jax_api/_gluon.py), checked without a GPU: the specialisation
-matches jax-triton's, the one-pass backward compiles to PTX that _scratch can fix and jaxlib can
-launch, and the installed hook sends Gluon functions, and only them, through triton.compile.
+"""Gluon kernels and register-capped launches through jax-triton (jax_api/_compile.py), checked without
+a GPU: the specialisation matches jax-triton's, the one-pass backward compiles to PTX that _scratch can
+fix and jaxlib can launch, a capped NSA launch compiles with its cap, and the installed hook sends Gluon
+functions and the variants `require_options` named, and only them, through triton.compile.
 
 The GPU side (the JAX launch runs it and gives torch's gradients bit for bit) is in tests/parity.
 """
@@ -14,7 +15,7 @@ import pytest
 triton = pytest.importorskip("triton")
 pytest.importorskip("jax")
 
-from dualattn.jax_api import _gluon, _launch, _scratch  # noqa: E402
+from dualattn.jax_api import _compile, _launch, _scratch  # noqa: E402
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
@@ -59,7 +60,7 @@ def test_specialisation_is_jax_tritons(monkeypatch):
     fn = compile_check.kernel_function(launch)
     arg_dtypes, scalar_args = _jax_triton_call(launch, _DTYPES)
     assert any(v == 1 for _, _, v in scalar_args)
-    assert _gluon.specialisation(fn, arg_dtypes, scalar_args, launch.constexpr_dict) == \
+    assert _compile.specialisation(fn, arg_dtypes, scalar_args, launch.constexpr_dict) == \
         compile_check.signature_of(launch, _DTYPES, fn, specialize="jax")
 
 
@@ -67,11 +68,11 @@ def test_one_pass_backward_compiles_as_jax_launches_it(monkeypatch):
     plan = _one_pass_plan(monkeypatch)
     launch = plan.dkdv
     fn = compile_check.kernel_function(launch)
-    assert _gluon.is_gluon(fn) and not _gluon.is_gluon(compile_check.kernel_function(plan.dq))
+    assert _compile.is_gluon(fn) and not _compile.is_gluon(compile_check.kernel_function(plan.dq))
     arg_dtypes, scalar_args = _jax_triton_call(launch, _DTYPES)
-    binary = _gluon.compile_gluon(fn, arg_dtypes, scalar_args, num_warps=launch.num_warps,
-                                  num_stages=launch.num_stages, num_ctas=1, compute_capability=90,
-                                  enable_fp_fusion=True, metaparams=launch.constexpr_dict)
+    binary = _compile.compile_kernel(fn, arg_dtypes, scalar_args, num_warps=launch.num_warps,
+                                     num_stages=launch.num_stages, num_ctas=1, compute_capability=90,
+                                     enable_fp_fusion=True, metaparams=launch.constexpr_dict)
     assert binary.name == launch.kernel and binary.shared_mem_bytes > 100_000
     # What _scratch.register keys the fixes on, and the fixes themselves.
     assert len(_scratch.entry_params(binary.ptx)[1]) == _scratch.ptx_param_count(launch)
@@ -95,7 +96,7 @@ class _FakeKernelLibrary:
         return 90
 
 
-def test_install_routes_gluon_functions_only(monkeypatch):
+def test_install_routes_gluon_functions_and_required_options_only(monkeypatch):
     plan = _one_pass_plan(monkeypatch)
     gluon_fn, triton_fn = (compile_check.kernel_function(x) for x in (plan.dkdv, plan.dq))
     original_calls, compiled = [], []
@@ -106,16 +107,17 @@ def test_install_routes_gluon_functions_only(monkeypatch):
 
     def fake_compile(fn, arg_dtypes, scalar_args, **kwargs):
         compiled.append((fn, kwargs))
-        return _gluon.GluonBinary(fn.__name__, "ptx", "ttgir", 1234, {(0,): [["tt.divisibility", 16]]})
+        return _compile.CompiledBinary(fn.__name__, "ptx", "ttgir", 1234, {(0,): [["tt.divisibility", 16]]})
 
     library = _FakeKernelLibrary()
     lib = types.SimpleNamespace(get_or_create_triton_kernel=original, triton_kernel_call_lib=library)
     jax_triton = types.SimpleNamespace(triton_lib=lib)
-    monkeypatch.setattr(_gluon, "compile_gluon", fake_compile)
-    monkeypatch.setattr(_gluon, "_CACHE", {})
-    _gluon.install(jax_triton)
+    monkeypatch.setattr(_compile, "compile_kernel", fake_compile)
+    monkeypatch.setattr(_compile, "_CACHE", {})
+    monkeypatch.setattr(_compile, "_OPTIONS", {})
+    _compile.install(jax_triton)
     hook = lib.get_or_create_triton_kernel
-    _gluon.install(jax_triton)
+    _compile.install(jax_triton)
     assert lib.get_or_create_triton_kernel is hook   # idempotent
 
     kwargs = dict(num_warps=8, num_stages=2, num_ctas=1, compute_capability=None, enable_fp_fusion=True,
@@ -132,5 +134,14 @@ def test_install_routes_gluon_functions_only(monkeypatch):
     assert len(compiled) == 1
     hook(None, "cuda", gluon_fn, ["*bf16", "i32"], ((1, "i32", 1),), **kwargs)
     assert len(compiled) == 2
-    with pytest.raises(ValueError, match="Gluon kernel for NVIDIA"):
+    with pytest.raises(ValueError, match="NVIDIA GPUs only"):
         hook(None, "rocm", gluon_fn, ["*bf16", "i32"], ((1, "i32", 7),), **kwargs)
+    assert all(c[1]["options"] is None for c in compiled)
+    # A Triton kernel's variant with required options goes through triton.compile with them; its other
+    # variants (other constexprs, warps) keep jax-triton's path.
+    _compile.require_options(triton_fn, {"BLOCK_M": 64}, 8, 2, {"maxnreg": 168})
+    hook(None, "cuda", triton_fn, ["*fp32"], (), **kwargs)
+    assert compiled[-1][0] is triton_fn and compiled[-1][1]["options"] == {"maxnreg": 168}
+    hook(None, "cuda", triton_fn, ["*fp32"], (), **dict(kwargs, metaparams={"BLOCK_M": 128}))
+    hook(None, "cuda", triton_fn, ["*fp32"], (), **dict(kwargs, num_warps=4))
+    assert original_calls == [triton_fn] * 3 and len(compiled) == 3

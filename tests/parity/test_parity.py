@@ -352,7 +352,7 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
     the portable kernels; on sm_90 with the Triton warp-specialised kernels (JAX's descriptors in
     DESC_SCRATCH, jax_api/_scratch.py), the split causal band among them (JAX resumes the edges
     launch from fresh buffers, torch in place); and with the Gluon kernels, which reach JAX
-    through jax_api/_gluon.py (the one-pass dQ is the one result that is not bitwise
+    through jax_api/_compile.py (the one-pass dQ is the one result that is not bitwise
     reproducible, below)."""
     for name, value in BACKWARDS[backward].items():
         set_switch(monkeypatch, name, value)

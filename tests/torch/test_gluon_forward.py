@@ -18,7 +18,7 @@ from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan, rules  # noqa: E402
 from plan_spy import spy_chains, spy_kernels  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
-from test_one_pass import (WINDOW_CASES, check_gpu_case, gluon_problem,  # noqa: E402  (tests/torch is on sys.path)
+from test_one_pass import (ONE_PASS, WINDOW_CASES, check_gpu_case, gluon_problem,  # noqa: E402  (tests/torch on path)
                            scored_inputs)
 
 GLUON_FWD = "flash_fwd_gluon_kernel"
@@ -163,6 +163,39 @@ def test_plan_runs_short_windows_on_the_portable_forward(monkeypatch):
     assert planned(64, (127, 0), sinks=True).kernel == GLUON_FWD
 
 
+def test_plan_runs_short_windows_on_the_portable_backward(monkeypatch):
+    """Causal windows of up to SHORT_WINDOW_BWD_KEYS[d] keys run the portable two-pass backward (up to
+    SHORT_WINDOW_TILE_KEYS on the SHORT_WINDOW_DKDV_TILE / DQ_TILE tiles), neither the one-pass kernel nor the
+    warp-specialised one; longer
+    windows and windows with a per-element option or soft cap keep the one-pass kernel, as does
+    DUALATTN_ONE_PASS=1."""
+    from dualattn import executor
+    from dualattn.kernels.flash import hopper, tiles
+
+    def planned(d, window, **extra):
+        shapes, options, strides, _ = gluon_problem(d=d, sq=4096, sk=4096, hq=8, hkv=2, sliding_window=window,
+                                                    **extra)   # (the one-pass kernel's fewest keys: 4096)
+        config = executor._flash_heuristics_cuda(shapes, options, 90)
+        return flash_plan.plan_backward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                        num_sms=132, bias_grad=False)
+    for d in (64, 128):
+        keys = hopper.SHORT_WINDOW_BWD_KEYS[d]
+        for window, extra in (((keys - 1, 0), {}), ((0, 0), dict(sinks=True)), ((keys // 2, 0), dict(sinks=True))):
+            plan = planned(d, window, **extra)
+            assert (plan.dkdv.kernel, plan.dq.kernel) == ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"), (d, window)
+            for launch, tile in ((plan.dkdv, tiles.SHORT_WINDOW_DKDV_TILE), (plan.dq, tiles.SHORT_WINDOW_DQ_TILE)):
+                const = launch.constexpr_dict
+                assert not const["WARP_SPECIALIZE"], (d, window)
+                if window[0] < tiles.SHORT_WINDOW_TILE_KEYS:
+                    assert (const["BLOCK_M"], const["BLOCK_N"], launch.num_warps, launch.num_stages) == \
+                        (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages), (d, window, launch.kernel)
+        assert planned(d, (keys, 0)).dkdv.kernel == ONE_PASS, d
+        for extra in (dict(bias=True), dict(mask=True), dict(logits_soft_cap=30.0)):
+            assert planned(d, (keys - 1, 0), **extra).dkdv.kernel == ONE_PASS, (d, extra)
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")
+    assert planned(64, (127, 0), sinks=True).dkdv.kernel == ONE_PASS
+
+
 @pytest.mark.parametrize("d, causal, hq, hkv, dtype, sk, extra", [
     (128, True, 4, 4, "bfloat16", 1024, {}), (128, False, 8, 2, "bfloat16", 1024, {}),
     (64, True, 8, 2, "float16", 1024, {}), (64, False, 4, 4, "bfloat16", 1000, {}),
@@ -251,14 +284,19 @@ SHORT_WINDOW_GPU_CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(SHORT_WINDOW_GPU_CASES))
-def test_gpu_short_windows_run_the_portable_forward(case, monkeypatch, seed):
-    """hopper.short_window_forward's cases on the GPU: the portable forward, forward and backward against
-    the float64 reference."""
+def test_gpu_short_windows_run_the_portable_kernels(case, monkeypatch, seed):
+    """hopper.short_window_forward's and short_window_backward's cases on the GPU: the portable forward, and up
+    to SHORT_WINDOW_BWD_KEYS the two-pass backward (test_plan_runs_short_windows_on_the_portable_backward: not
+    warp-specialised), forward and backward against the float64 reference."""
+    from dualattn.kernels.flash import hopper
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the rule chooses between sm_90 kernels")
-    kernels = spy_kernels(monkeypatch, "plan_forward")
-    check_gpu_case(monkeypatch, SHORT_WINDOW_GPU_CASES[case], seed, {})
-    assert kernels == ["flash_fwd_kernel"], kernels
+    forward, backward = spy_kernels(monkeypatch, "plan_forward"), spy_kernels(monkeypatch, "plan_backward")
+    case = SHORT_WINDOW_GPU_CASES[case]
+    check_gpu_case(monkeypatch, case, seed, {})
+    assert forward == ["flash_fwd_kernel"], forward
+    if case["opts"]["sliding_window"][0] + 1 <= hopper.SHORT_WINDOW_BWD_KEYS[case["d"]]:
+        assert backward == ["flash_bwd_dkdv_kernel"], backward
 
 
 @pytest.mark.gpu

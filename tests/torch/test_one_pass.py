@@ -383,6 +383,7 @@ GPU_CASES = {
 def test_gpu_one_pass_backward(case, monkeypatch, seed):
     _require_sm90()
     set_switch(monkeypatch, "DUALATTN_WS", None)
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")   # short windows too (hopper.short_window_backward)
     kernels = spy_kernels(monkeypatch)
     check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"persistent": flash_plan.PERSISTENT_ENV})
     assert kernels == [ONE_PASS], kernels

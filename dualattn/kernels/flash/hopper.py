@@ -344,17 +344,33 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
 # window 128 with sinks 0.144 / 0.230 ms, 256 0.181 / 0.214, 512 0.250 / 0.266, 1024 0.390 / 0.402; D=128 (H=16)
 # window 128 with sinks 0.121 / 0.142, 256 0.159 / 0.152.
 SHORT_WINDOW_KEYS = {64: 1024, 128: 128}
+# The same for the backward: the portable two-pass kernels (on tiles.SHORT_WINDOW_DKDV_TILE / DQ_TILE) instead of
+# the one-pass Gluon one or the warp-specialised two-pass one.  H200, S=8192, fwd+bwd kernel time (the same
+# portable forward in each), portable (best tile) / one-pass / warp-specialised, ms (NOTES: "Short windows run the
+# portable backward too"): D=64 (H=32) window 128 with sinks 0.615 / 0.722 / 0.827, 512 1.082 / 1.114 / 1.233,
+# 1024 1.691 / 1.638 / 1.761; D=128 (H=16) window 128 with sinks 0.535 / 0.698 / 0.685 (longer: not measured).
+SHORT_WINDOW_BWD_KEYS = {64: 512, 128: 128}
+
+
+def _short_window(shapes: FlashShapes, options: FlashOptions, constexprs, keys_by_head_dim) -> bool:
+    const = dict(constexprs)
+    keys = causal_window_keys(options)
+    return (keys is not None and shapes.head_dim == shapes.head_dim_v
+            and keys <= keys_by_head_dim.get(shapes.head_dim, 0) and not const["SOFTCAP"]
+            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
 def short_window_forward(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
     """Whether the forward runs a causal sliding window of at most SHORT_WINDOW_KEYS[head dim] keys on the
     portable kernel.  Only with the options it was measured with (sinks, GQA): a bias, mask, segment ids,
     dropout or soft cap keep the Hopper kernels' rules."""
-    const = dict(constexprs)
-    keys = causal_window_keys(options)
-    return (keys is not None and shapes.head_dim == shapes.head_dim_v
-            and keys <= SHORT_WINDOW_KEYS.get(shapes.head_dim, 0) and not const["SOFTCAP"]
-            and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
+    return _short_window(shapes, options, constexprs, SHORT_WINDOW_KEYS)
+
+
+def short_window_backward(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
+    """Whether the backward runs a causal sliding window of at most SHORT_WINDOW_BWD_KEYS[head dim] keys on the
+    portable two-pass kernels; the same options as short_window_forward."""
+    return _short_window(shapes, options, constexprs, SHORT_WINDOW_BWD_KEYS)
 
 
 def sparse_on_gluon_tiles(sparse: Optional[SparseInfo]) -> bool:

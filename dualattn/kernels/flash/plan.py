@@ -21,7 +21,7 @@ from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILE, GLUON_FWD
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
                      gluon_allowed, gluon_forward, one_pass_backward, one_pass_persistent, persistent_backward,
-                     persistent_forward, short_window_forward, split_band, split_band_pays, tma_requested,
+                     persistent_forward, short_window_backward, short_window_forward, split_band, split_band_pays, tma_requested,
                      warp_specialize_requested,
                      warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
 from . import rules
@@ -470,7 +470,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
     warp_specialize: as plan_forward's; eligible kernels take the tiles warp_specialized_backward
     gives in place of config's.  num_sms: as plan_forward's (persistent_backward).
-    gluon: the launcher runs Gluon kernels on an sm_90 GPU (torch, and JAX through jax_api/_gluon.py:
+    gluon: the launcher runs Gluon kernels on an sm_90 GPU (torch, and JAX through jax_api/_compile.py:
     gluon_allowed); problems one_pass_backward accepts then get the one-pass backward: `dkdv` computes dK,
     dV and an fp32 dQ accumulator ('dq_accum'), which `dq` takes as input and casts.  Launchers
     pass dkdv's results to dq.
@@ -517,8 +517,12 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     k_shape = (shapes.total_k, shapes.heads_kv, shapes.head_dim) if varlen else \
         (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
     v_shape = k_shape[:-1] + (shapes.head_dim_v,)
+    # Short causal windows: the portable two-pass kernels beat both Hopper backwards (DUALATTN_ONE_PASS=1 keeps
+    # them on the one-pass kernel: its tests).
+    hopper = sparse is not None or env.get(ONE_PASS_ENV) == "1" or not short_window_backward(shapes, options,
+                                                                                            constexprs)
     one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs, env.get(ONE_PASS_ENV),
-                                 bias_grad) if gluon and not deterministic else None
+                                 bias_grad) if gluon and hopper and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
                                       one_pass, num_sms, env.get(PERSISTENT_ENV), const["SOFTCAP"], sparse)
@@ -533,7 +537,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                    cdiv(shapes.seqlen_q, WS_TILE.block_m) * shapes.heads_q) * shapes.batch
     persistent = (warp_specialize and whole_array_tiles(shapes, scalars, constexprs)
                   and persistent_backward(shapes, ws_tiles, num_sms, env.get(PERSISTENT_ENV)))
-    ws_dkdv, ws_dq = (warp_specialized_backward(shapes, sparse, constexprs, persistent) if warp_specialize
+    ws_dkdv, ws_dq = (warp_specialized_backward(shapes, sparse, constexprs, persistent) if warp_specialize and hopper
                       else (None, None))
     # (segment ids: the portable launches skip the compare inside documents, so their edges may go in the loop)
     edges = edges_in_loop(shapes, options, sparse, constexprs, env.get(EDGES_IN_LOOP_ENV),

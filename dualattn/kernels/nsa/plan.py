@@ -64,6 +64,12 @@ DKV_ROWS = 32
 # A 16-bit dK / dV program at D <= 128: 32 keys on 4 warps (dkv_tiles).
 DKV_KEYS_16BIT = 32
 DKV_WARPS_16BIT = 4
+# Their register cap where a head is wider than 64: three programs of 4 warps an SM (65536 / (3 * 128) = 170,
+# rounded down to ptxas's unit of 8).  Left to itself ptxas gives the same program 168 or 182-190 registers
+# by Triton release and by whether an int argument equal to 1 (the lse's head stride) is a constant, which
+# jax-triton makes it: two programs an SM, JAX's dK / dV 33.0 ms against torch's 26.5 at T = 64k (NOTES: "JAX's
+# NSA dK/dV: jax-triton makes the lse head stride a constant").  Capped, both compile to 163-168 registers.
+DKV_MAX_REGISTERS = 168
 FWD_INPUTS = ("query", "key", "value", "block_indices", "block_counts", "cu_seqlens")
 BWD_INPUTS = ("query", "key", "value", "out", "dout", "lse", "block_indices", "block_counts", "cu_seqlens")
 DKV_INPUTS = ("query", "key", "value", "dout", "lse", "delta", "entry_order", "bucket_starts", "chunk_buckets",
@@ -108,6 +114,7 @@ class NsaTiles:
     block_n: int     # keys per inner step (divides block_size)
     num_warps: int
     num_stages: int
+    max_registers: Optional[int] = None   # Launch.max_registers
 
     @property
     def rows(self) -> int:
@@ -270,7 +277,8 @@ def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
     per program.  16-bit at D <= 128: 32 keys on 4 warps, whose warps each hold a quarter of a step's
     [32 keys, 32 rows] S^T tile (on 8 warps a step's tile is split too thin: 1.4x the fwd + bwd time,
     NOTES: "NSA's dK / dV programs on 4 warps"); K, V and fp32 dK, dV of 32 keys then take 166-178
-    registers (64 keys on 4 warps: 245-255, results/2026-11-27_cpu_nsa_dkv_registers.log).  Otherwise
+    registers with Triton 3.7 (64 keys on 4 warps: 245-255, results/2026-11-27_cpu_nsa_dkv_registers.log), and
+    heads wider than 64 are capped at DKV_MAX_REGISTERS so that three programs fit an SM.  Otherwise
     64 keys on 8 warps, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers
     (fp32 D = 256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes; on
     4 warps it spills kilobytes)."""
@@ -279,7 +287,9 @@ def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
     fp32 = shapes.dtype == "float32"
     tokens = max(1, DKV_ROWS // group_pad)
     if not big_d and not fp32:
-        return NsaTiles(group_pad, tokens, min(shapes.block_size, DKV_KEYS_16BIT), DKV_WARPS_16BIT, 2)
+        wide = max(shapes.head_dim, shapes.head_dim_v) > 64
+        return NsaTiles(group_pad, tokens, min(shapes.block_size, DKV_KEYS_16BIT), DKV_WARPS_16BIT, 2,
+                        DKV_MAX_REGISTERS if wide else None)
     block_n = min(shapes.block_size, (16 if fp32 else 32) if big_d else 64)
     # fp32 at D > 128: one stage (sm_80's shared memory, as tiles()).
     stages = 1 if big_d and fp32 else 2
@@ -339,7 +349,7 @@ def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
         outputs=(Output("dk_chunks", (chunks, shapes.block_size, shapes.head_dim), "float32"),
                  Output("dv_chunks", (chunks, shapes.block_size, shapes.head_dim_v), "float32")),
         constexprs=tuple((n, const[n]) for n in DKV_CONSTEXPRS),
-        num_warps=kv.num_warps, num_stages=kv.num_stages, then=reduce)
+        num_warps=kv.num_warps, num_stages=kv.num_stages, max_registers=kv.max_registers, then=reduce)
     return BackwardPlan(dq, dkdv, num_buckets(shapes), chunk, chunks)
 
 
