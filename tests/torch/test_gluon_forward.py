@@ -378,7 +378,28 @@ SCORED_CASES = {
                                          ((1, 4), torch.float32), (2, 4)),
     "d64-window-bias-documents": (2, 1024, 1024, 4, 4, 64, dict(sliding_window=(200, 0)),
                                   ((2, 1), torch.bfloat16), None),
+    # two tiles in flight (hopper.gluon_score_buffers): over many key tiles, and over one (an empty commit group)
+    "d128-causal-mask-gqa": (1, 1024, 1024, 8, 2, 128, dict(causal=True), None, (1, 8)),
+    "d64-bias-mask-one-key-tile": (2, 256, 104, 4, 4, 64, {}, ((2, 4), torch.bfloat16), (2, 4)),
 }
+
+
+def test_plan_holds_score_tiles_twice_where_they_fit():
+    """hopper.gluon_score_buffers: two bias / mask tiles per warpgroup where both fit twice beside the
+    forward's other buffers (a mask alone at D = 128; a 16-bit bias and a mask at D = 64), else one; the
+    plan passes it as SCORE_BUFS."""
+    from dualattn.kernels.flash import hopper
+
+    def bufs(d, bias=None, mask=False):
+        shapes, options, strides, config = gluon_problem(d=d, bias=bias is not None, mask=mask)
+        shapes = dataclasses.replace(shapes, bias_dtype=bias or "")
+        launch = flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                         num_sms=132)
+        assert launch.kernel == GLUON_FWD
+        assert launch.constexpr_dict["SCORE_BUFS"] == hopper.gluon_score_buffers(shapes)
+        return launch.constexpr_dict["SCORE_BUFS"]
+    assert [bufs(128, mask=True), bufs(128, "bfloat16"), bufs(128, "bfloat16", True), bufs(128)] == [2, 1, 1, 1]
+    assert [bufs(64, "bfloat16", True), bufs(64, "float16"), bufs(64, "float32"), bufs(64, mask=True)] == [2, 2, 1, 2]
 
 
 @pytest.mark.gpu

@@ -21,7 +21,8 @@ tile, or causal, a long and a short one) through descriptors over the whole arra
 batch (or TMA's zero padding): keys there are masked, query rows there are not stored.
 Causal is bottom-right (query row m sees key n iff n <= m + diag, diag = Sk - Sq + shift).
 Fully masked rows give O = 0 and lse = -inf.  A bias and an attention mask are copied per warpgroup
-into shared memory a key tile ahead (_fetch_next_scores) and read where the softmax uses them.  A
+into shared memory SCORE_BUFS key tiles ahead (_fetch_next_scores; the plan holds two where they fit:
+hopper.gluon_score_buffers) and read where the softmax uses them.  A
 block-sparse layout of 128 x 128 blocks: each query tile walks its list of key blocks (_fwd_item).
 What qualifies and the tiles: plan.gluon_forward.
 Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
@@ -33,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_shared import (NEG_INF_BITS, capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier,
+from .gluon_shared import (capped_tanh, copy_score_tile, masked_scores, mma_layout, partition_barrier,
                            scores_landed)
 from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
@@ -204,7 +205,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
             ok = ok & (gl.expand_dims(q_ids, 1) == gl.expand_dims(k_ids, 0))
         s = gl.where(ok, s, float("-inf"))
     if HAS_MASK:
-        s = masked_bits(s, mask_buf.load(s.type.layout), NEG_INF_BITS)
+        s = masked_scores(s, mask_buf.load(s.type.layout))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
@@ -234,20 +235,33 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
 
 
 @gluon.jit
+def _no_scores(HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
+    """An empty commit group where no tile is left to copy, so that every key tile has one group and
+    scores_landed waits for the same count of younger groups throughout."""
+    if HAS_BIAS or HAS_MASK:
+        async_copy.commit_group()
+
+
+@gluon.jit
 def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty,
               k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW,
-              cap_in, BIAS_ROW, bias_stride_s, bias_in, bias_buf, MASK_ROW, mask_stride_s, mask_buf, dropout,
+              cap_in, BIAS_ROW, bias_stride_s, bias_in, bias_ring, MASK_ROW, mask_stride_s, mask_ring, dropout,
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr,
               SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
-              DROPOUT: gl.constexpr):
+              DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (SPARSE: LIST's first
     n_tiles; _key_tile) (ring positions r on):
     (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
     (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK).  DROPOUT: `dropout` = (seed, batch * Hq +
     head, threshold); P V takes the probabilities rules.dropout_keep keeps (the hash every kernel
-    applies), the row sums count them all, and the caller scales O by 1 / (1 - p)."""
+    applies), the row sums count them all, and the caller scales O by 1 / (1 - p).  bias_ring, mask_ring:
+    both warpgroups' tiles, SCORE_BUFS each (this one's from RING0 = HALF * SCORE_BUFS); key tile i's are copied
+    into tile RING0 + i % SCORE_BUFS, SCORE_BUFS key tiles ahead, one
+    commit group per key tile (empty past the last), so that key tile i's have landed once all but the
+    SCORE_BUFS - 1 youngest groups have."""
     HM: gl.constexpr = BM // 2
+    RING0: gl.constexpr = HALF * SCORE_BUFS
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -278,8 +292,15 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     count = n_tiles - n_first
     if count > 0:
         j = _key_tile(0, n_first, LIST, SPARSE)
-        _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
-                           j * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
+        _fetch_next_scores(bias_ring.index(RING0), BIAS_ROW, bias_rows, mask_ring.index(RING0), MASK_ROW,
+                           mask_rows, copy_rows_ok, j * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
+        if SCORE_BUFS == 2:
+            if count > 1:
+                _fetch_next_scores(bias_ring.index(RING0 + 1), BIAS_ROW, bias_rows, mask_ring.index(RING0 + 1),
+                                   MASK_ROW, mask_rows, copy_rows_ok, _key_tile(1, n_first, LIST, SPARSE) * BN,
+                                   seqlen_k, BN, HAS_BIAS, HAS_MASK)
+            else:
+                _no_scores(HAS_BIAS, HAS_MASK)
         # Prologue: S_0 and its softmax.
         st = r % STAGES
         mbarrier.wait(k_ready.index(st), (r // STAGES) & 1)
@@ -288,18 +309,21 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
         mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
         if HAS_BIAS or HAS_MASK:
-            scores_landed()
+            scores_landed(SCORE_BUFS - 1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
                                        (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
-                                       bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
-                                       SOFTCAP, HAS_BIAS, HAS_MASK)
+                                       bias_ring.index(RING0), bias_in, mask_ring.index(RING0), CAUSAL, WINDOW, BN,
+                                       EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
         if DROPOUT:
             p = _dropped(p, row_hash, j * BN, dropout[2], BN)
         if HAS_BIAS or HAS_MASK:
             partition_barrier()   # every thread has read the tiles: copy the next ones in
-            if count > 1:
-                _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
-                                   _key_tile(1, n_first, LIST, SPARSE) * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
+            if count > SCORE_BUFS:
+                _fetch_next_scores(bias_ring.index(RING0), BIAS_ROW, bias_rows, mask_ring.index(RING0), MASK_ROW,
+                                   mask_rows, copy_rows_ok, _key_tile(SCORE_BUFS, n_first, LIST, SPARSE) * BN,
+                                   seqlen_k, BN, HAS_BIAS, HAS_MASK)
+            else:
+                _no_scores(HAS_BIAS, HAS_MASK)
         for i in range(1, count):
             j = _key_tile(i, n_first, LIST, SPARSE)
             rn = r + i
@@ -316,19 +340,22 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
             mbarrier.arrive(k_empty.index(sn), count=1)
             mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
             if HAS_BIAS or HAS_MASK:
-                scores_landed()
+                scores_landed(SCORE_BUFS - 1)
+            b = RING0 + i % SCORE_BUFS
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
                                           (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
-                                          bias_buf, bias_in, mask_buf, CAUSAL, WINDOW, BN, EVEN_K, SEGMENTS,
-                                          SOFTCAP, HAS_BIAS, HAS_MASK)
+                                          bias_ring.index(b), bias_in, mask_ring.index(b), CAUSAL, WINDOW, BN,
+                                          EVEN_K, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK)
             if DROPOUT:
                 p = _dropped(p, row_hash, j * BN, dropout[2], BN)
             if HAS_BIAS or HAS_MASK:
                 partition_barrier()
-                if i + 1 < count:
-                    _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, copy_rows_ok,
-                                       _key_tile(i + 1, n_first, LIST, SPARSE) * BN, seqlen_k, BN, HAS_BIAS,
-                                       HAS_MASK)
+                if i + SCORE_BUFS < count:
+                    _fetch_next_scores(bias_ring.index(b), BIAS_ROW, bias_rows, mask_ring.index(b), MASK_ROW,
+                                       mask_rows, copy_rows_ok, _key_tile(i + SCORE_BUFS, n_first, LIST, SPARSE) * BN,
+                                       seqlen_k, BN, HAS_BIAS, HAS_MASK)
+                else:
+                    _no_scores(HAS_BIAS, HAS_MASK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + count - 1
@@ -376,7 +403,8 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
                  SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr):
+                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
+                 SCORE_BUFS: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)
@@ -403,11 +431,11 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                 k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                                 seqlen_q, seqlen_k, diag, window_left, qk_scale,
                                                 QSEG + b64 * seg_stride_qb, KSEG + b64 * seg_stride_kb, cap_in,
-                                                bias_head, bias_strides[2], bias_in, bias_bufs.index(HALF), mask_head,
-                                                mask_strides[2], mask_bufs.index(HALF),
+                                                bias_head, bias_strides[2], bias_in,
+                                                bias_bufs, mask_head, mask_strides[2], mask_bufs,
                                                 (dropout_seed, batch * num_heads_q + head, dropout_threshold), HALF,
                                                 HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP,
-                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT)
+                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -450,6 +478,7 @@ def flash_fwd_gluon_kernel(
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
     NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
+    SCORE_BUFS: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
@@ -502,12 +531,12 @@ def flash_fwd_gluon_kernel(
     if SOFTCAP != 0:
         qk_scale = softcap * 1.4426950408889634
     bias_in = 1.0 / sm_scale   # (the bias is added in S's units: _softmax)
-    # Each compute warpgroup's tile of the bias and of the mask (a token buffer where absent), rows
-    # swizzled in 16-byte units so that S's layout reads them without bank conflicts.
+    # Each compute warpgroup's SCORE_BUFS tiles of the bias and of the mask (a token buffer where absent),
+    # rows swizzled in 16-byte units so that S's layout reads them without bank conflicts.
     bias_ty: gl.constexpr = BIAS.dtype.element_ty
     mask_ty: gl.constexpr = MASK.dtype.element_ty
-    bias_tile: gl.constexpr = [2, HM, BLOCK_N] if HAS_BIAS else [2, 8, 8]
-    mask_tile: gl.constexpr = [2, HM, BLOCK_N] if HAS_MASK else [2, 8, 8]
+    bias_tile: gl.constexpr = [2 * SCORE_BUFS, HM, BLOCK_N] if HAS_BIAS else [2 * SCORE_BUFS, 8, 8]
+    mask_tile: gl.constexpr = [2 * SCORE_BUFS, HM, BLOCK_N] if HAS_MASK else [2 * SCORE_BUFS, 8, 8]
     bias_bufs = gl.allocate_shared_memory(bias_ty, bias_tile, gl.SwizzledSharedLayout(
         128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
     mask_bufs = gl.allocate_shared_memory(mask_ty, mask_tile, gl.SwizzledSharedLayout(
@@ -522,14 +551,14 @@ def flash_fwd_gluon_kernel(
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 0,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 1,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
                      SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,
