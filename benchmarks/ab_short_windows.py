@@ -99,7 +99,8 @@ def backward_kernels():
                      ((64, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 4, 3), (128, 32, 4, 3))):
         config = tiles.FlashConfig(tiles.SHORT_WINDOW_FWD_TILE, tiles.TileConfig(*dkdv), tiles.TileConfig(*dq))
         variants[f"two-pass portable {dkdv[:3]} {dq[:3]}"] = (dict(DUALATTN_ONE_PASS="0", DUALATTN_WS="0"), config)
-    for D, H, win, sinks in ((64, 32, 128, True), (128, 16, 128, True), (64, 32, 512, False), (64, 32, 1024, False)):
+    for D, H, win, sinks in ((64, 32, 128, True), (128, 16, 128, True), (64, 32, 512, False), (64, 32, 1024, False),
+                             (128, 16, 256, False), (128, 16, 512, False), (128, 16, 1024, False)):
         q, k, v = (torch.randn(B, S, H, D, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
         aux = torch.randn(H, generator=gen).cuda().requires_grad_()
         dout = torch.randn_like(q)

@@ -165,8 +165,8 @@ def test_plan_runs_short_windows_on_the_portable_forward(monkeypatch):
 
 def test_plan_runs_short_windows_on_the_portable_backward(monkeypatch):
     """Causal windows of up to SHORT_WINDOW_BWD_KEYS[d] keys run the portable two-pass backward (up to
-    SHORT_WINDOW_TILE_KEYS on the SHORT_WINDOW_DKDV_TILE / DQ_TILE tiles), neither the one-pass kernel nor the
-    warp-specialised one; longer
+    SHORT_WINDOW_BWD_TILE_KEYS[d] on the SHORT_WINDOW_DKDV_TILE / DQ_TILE tiles), neither the one-pass kernel nor
+    the warp-specialised one; longer
     windows and windows with a per-element option or soft cap keep the one-pass kernel, as does
     DUALATTN_ONE_PASS=1."""
     from dualattn import executor
@@ -186,7 +186,7 @@ def test_plan_runs_short_windows_on_the_portable_backward(monkeypatch):
             for launch, tile in ((plan.dkdv, tiles.SHORT_WINDOW_DKDV_TILE), (plan.dq, tiles.SHORT_WINDOW_DQ_TILE)):
                 const = launch.constexpr_dict
                 assert not const["WARP_SPECIALIZE"], (d, window)
-                if window[0] < tiles.SHORT_WINDOW_TILE_KEYS:
+                if window[0] < tiles.SHORT_WINDOW_BWD_TILE_KEYS[d]:
                     assert (const["BLOCK_M"], const["BLOCK_N"], launch.num_warps, launch.num_stages) == \
                         (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages), (d, window, launch.kernel)
         assert planned(d, (keys, 0)).dkdv.kernel == ONE_PASS, d
@@ -279,6 +279,8 @@ SHORT_WINDOW_GPU_CASES = {
     "d128-window100-sinks-ragged": dict(b=1, sq=900, sk=1000, hq=4, hkv=4, d=128,
                                         opts=dict(sliding_window=(100, 0)), sinks=True),
     "d128-window-one-key": dict(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, opts=dict(sliding_window=(0, 0))),
+    # the Gluon forward, the portable backward on its short-window tiles
+    "d128-window400-gqa-ragged": dict(b=1, sq=1000, sk=1100, hq=4, hkv=2, d=128, opts=dict(sliding_window=(399, 0))),
 }
 
 
@@ -294,8 +296,10 @@ def test_gpu_short_windows_run_the_portable_kernels(case, monkeypatch, seed):
     forward, backward = spy_kernels(monkeypatch, "plan_forward"), spy_kernels(monkeypatch, "plan_backward")
     case = SHORT_WINDOW_GPU_CASES[case]
     check_gpu_case(monkeypatch, case, seed, {})
-    assert forward == ["flash_fwd_kernel"], forward
-    if case["opts"]["sliding_window"][0] + 1 <= hopper.SHORT_WINDOW_BWD_KEYS[case["d"]]:
+    keys = case["opts"]["sliding_window"][0] + 1
+    if keys <= hopper.SHORT_WINDOW_KEYS[case["d"]]:
+        assert forward == ["flash_fwd_kernel"], forward
+    if keys <= hopper.SHORT_WINDOW_BWD_KEYS[case["d"]]:
         assert backward == ["flash_bwd_dkdv_kernel"], backward
 
 

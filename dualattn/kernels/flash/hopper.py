@@ -361,8 +361,9 @@ SHORT_WINDOW_KEYS = {64: 1024, 128: 128}
 # the one-pass Gluon one or the warp-specialised two-pass one.  H200, S=8192, fwd+bwd kernel time (the same
 # portable forward in each), portable (best tile) / one-pass / warp-specialised, ms (NOTES: "Short windows run the
 # portable backward too"): D=64 (H=32) window 128 with sinks 0.615 / 0.722 / 0.827, 512 1.082 / 1.114 / 1.233,
-# 1024 1.691 / 1.638 / 1.761; D=128 (H=16) window 128 with sinks 0.535 / 0.698 / 0.685 (longer: not measured).
-SHORT_WINDOW_BWD_KEYS = {64: 512, 128: 128}
+# 1024 1.691 / 1.638 / 1.761; D=128 (H=16) window 128 with sinks 0.535 / 0.698 / 0.685, 256 0.676 / 0.794 / 0.801,
+# 512 0.955 / 0.994 / 1.004, 1024 1.473 / 1.387 / 1.392.
+SHORT_WINDOW_BWD_KEYS = {64: 512, 128: 512}
 
 
 def _short_window(shapes: FlashShapes, options: FlashOptions, constexprs, keys_by_head_dim) -> bool:

@@ -107,11 +107,15 @@ def tuned_key(arch: int, head_dim: int, causal: bool, seqlen: Optional[int] = No
 # tuned 128 x 128 / 8 warps and 0.142 on the Gluon kernel.  (At D=64 the tuned forward tile is 64 x 64 already.)
 SHORT_WINDOW_TILE_KEYS = 128
 SHORT_WINDOW_FWD_TILE = TileConfig(64, 64, 4, 3)
-# Its portable two-pass backward (hopper.short_window_backward): 32-row dK / dV and 32-key dQ steps.  Same run,
-# fwd+bwd kernel time, window 128 with sinks: D=128 0.535 ms against 0.639 on the tuned causal tiles (64 x 128 / 8
-# warps, 128 x 64 / 8) and 0.747 on 64 x 64 ones; D=64 0.615 against 0.642 tuned and 0.626 on 64 x 64.
+# The portable two-pass backward of short windows (hopper.short_window_backward): 32-row dK / dV and 32-key dQ
+# steps, for windows of at most SHORT_WINDOW_BWD_TILE_KEYS keys by padded head dim.  Fwd+bwd kernel time, H200
+# (benchmarks/results/2026-11-27_h200_short_window_backward_ab*.log), against the tuned causal tiles (D=128: 64 x 128
+# / 8 warps, 128 x 64 / 8; D=64: 64 x 64, 128 x 64) and 64 x 64 ones: D=128 window 128 with sinks 0.535 ms / 0.639 /
+# 0.747, 256 0.676 / 0.823 / 0.933, 512 0.955 / 1.076 / 1.314; D=64 window 128 with sinks 0.615 / 0.642 / 0.626,
+# 512 1.110 / 1.103 / 1.085 (so only up to 128 keys there).
 SHORT_WINDOW_DKDV_TILE = TileConfig(32, 64, 4, 3)
 SHORT_WINDOW_DQ_TILE = TileConfig(64, 32, 4, 3)
+SHORT_WINDOW_BWD_TILE_KEYS = {64: 128, 128: 512}
 
 
 def causal_window_keys(options) -> Optional[int]:
@@ -153,9 +157,11 @@ def default_config(shapes: FlashShapes, *, interpret: bool, arch: int = 90, caus
         else:
             dkdv = TileConfig(32, 64, 4, 2)
             dq = TileConfig(64, 32, 4, 2)
-    if (window_keys is not None and window_keys <= SHORT_WINDOW_TILE_KEYS and shapes.dtype != "float32"
-            and d <= 128):
-        fwd, dkdv, dq = SHORT_WINDOW_FWD_TILE, SHORT_WINDOW_DKDV_TILE, SHORT_WINDOW_DQ_TILE
+    short = window_keys is not None and shapes.dtype != "float32"
+    if short and d <= 128 and window_keys <= SHORT_WINDOW_TILE_KEYS:
+        fwd = SHORT_WINDOW_FWD_TILE
+    if short and window_keys <= SHORT_WINDOW_BWD_TILE_KEYS.get(d, 0):
+        dkdv, dq = SHORT_WINDOW_DKDV_TILE, SHORT_WINDOW_DQ_TILE
     if shapes.seqlen_q <= 64 or shapes.seqlen_k <= 64:
         # Decode-like shapes: don't waste most of a 128-row tile.
         def small(t):
