@@ -5,25 +5,19 @@ and neither, B = 2, S = 4096, D = 128 (H = 16) and 64 (H = 32), non-causal and c
     python benchmarks/ab_score_tiles.py
 """
 import torch
+from score_option_times import B, S, SHAPES, score_cases
 
 import dualattn.torch_api as dt
 from dualattn.bench.flash import kernel_times
 from dualattn.kernels.flash import plan
-
-B, S = 2, 4096
 
 
 def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; forward kernel ms, B={B}, S={S}")
     auto = plan.gluon_score_buffers
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for D, H in ((128, 16), (64, 32)):
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-        mask = torch.rand(B, H, S, S, device="cuda", generator=gen) < 0.9
-        bias = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16, generator=gen)
-        cases = {"none": {}, "mask": dict(attention_mask=mask), "bias": dict(bias=bias)}
-        if D == 64:
-            cases["bias+mask"] = dict(bias=bias, attention_mask=mask)
+    for D, H in SHAPES:
+        q, k, v, _, cases = score_cases(D, H, gen)
         for causal in (False, True):
             for name, kw in cases.items():
                 row = []

@@ -41,8 +41,13 @@ from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
 SPARSE_LISTS = gl.constexpr(1)
 SPARSE_RUNS = gl.constexpr(2)
-# How one warpgroup copies a [64, 128] tile of the bias or mask: 8 consecutive elements per thread.
-SCORE_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+# How one warpgroup copies a [64, 128] tile of the bias: 8 consecutive elements a thread, 16-byte copies
+# (L1 bypassed) whose warp covers whole sectors.  The mask's: half of one row a thread.  Copied like the bias,
+# its eight row offsets a thread were held through the key loop, spilled and reloaded before every copy;
+# copied like the mask, the bias's half-sector requests ran it 1.2-1.8x slower (NOTES: "Mask tiles: one row
+# a thread").
+BIAS_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+MASK_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -221,15 +226,16 @@ def _dropped(p, row_hash, n0, threshold, BN: gl.constexpr):
 
 
 @gluon.jit
-def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k,
+def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_rows, rows_ok, n0, seqlen_k,
                        BN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Start copying keys n0.. of one query half's rows of the bias and of the mask into their buffers
     (gluon_shared.copy_score_tile), one commit group: issued once the previous tile's softmax has read
     them, they land during the next S and P V GEMMs."""
+    bias_ok, mask_ok = rows_ok
     if HAS_BIAS:
-        copy_score_tile(bias_buf, BIAS_ROW, bias_rows, row_ok, n0, seqlen_k, BN, SCORE_COPY_LAYOUT)
+        copy_score_tile(bias_buf, BIAS_ROW, bias_rows, bias_ok, n0, seqlen_k, BN, BIAS_COPY_LAYOUT)
     if HAS_MASK:
-        copy_score_tile(mask_buf, MASK_ROW, mask_rows, row_ok, n0, seqlen_k, BN, SCORE_COPY_LAYOUT)
+        copy_score_tile(mask_buf, MASK_ROW, mask_rows, mask_ok, n0, seqlen_k, BN, MASK_COPY_LAYOUT)
     if HAS_BIAS or HAS_MASK:
         async_copy.commit_group()
 
@@ -261,6 +267,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     commit group per key tile (empty past the last), so that key tile i's have landed once all but the
     SCORE_BUFS - 1 youngest groups have."""
     HM: gl.constexpr = BM // 2
+    gl.static_assert(BN == 128, "BIAS_COPY_LAYOUT and MASK_COPY_LAYOUT span 128 keys")
     RING0: gl.constexpr = HALF * SCORE_BUFS
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
@@ -279,12 +286,13 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     # The half's first row as a scalar pointer, its rows as 32-bit offsets from it (plan: 64 rows of
     # the tensors span less than 2**31 elements): held through the loop, 64-bit offsets spilled.
     half_row0 = m0 + HALF * HM
-    copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, SCORE_COPY_LAYOUT))
-    copy_rows_ok = copy_rows < seqlen_q - half_row0
+    bias_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, BIAS_COPY_LAYOUT))
+    mask_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, MASK_COPY_LAYOUT))
+    copy_rows_ok = (bias_copy_rows < seqlen_q - half_row0, mask_copy_rows < seqlen_q - half_row0)
     BIAS_ROW = BIAS_ROW + gl.multiple_of(half_row0.to(gl.int64) * bias_stride_s, [8])
     MASK_ROW = MASK_ROW + gl.multiple_of(half_row0.to(gl.int64) * mask_stride_s, [8])
-    bias_rows = gl.multiple_of(copy_rows * bias_stride_s, [8])
-    mask_rows = gl.multiple_of(copy_rows * mask_stride_s, [8])
+    bias_rows = gl.multiple_of(bias_copy_rows * bias_stride_s, [8])
+    mask_rows = gl.multiple_of(mask_copy_rows * mask_stride_s, [8])
     m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)
     acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)

@@ -36,10 +36,10 @@ def capped_tanh(x, SOFTCAP: gl.constexpr):
 def copy_score_tile(buf, ROW, row_offsets, row_ok, n0, seqlen_k, BN: gl.constexpr, LAYOUT: gl.constexpr):
     """Start copying keys n0.. of some rows of a per-score tensor (bias, attention mask) into `buf`
     (cp.async, zeros outside the sequences): row i starts at ROW + row_offsets[i]; LAYOUT spreads the
-    copy over the partition's threads, 8 consecutive elements each.  Issued once the previous tile
-    has read `buf`, it lands during the next GEMMs, with no registers holding it (a TMA ring would
-    not fit beside the kernels' tiles).  The plans make the rows' offsets and Sk multiples of 8
-    elements (16-byte copies: hopper.score_tiles_copyable)."""
+    copy over the partition's threads, runs of 8 or more consecutive elements each.  Issued once the
+    previous tile has read `buf`, it lands during the next GEMMs, with no registers holding it (a TMA
+    ring would not fit beside the kernels' tiles).  The plans make the rows' offsets and Sk multiples
+    of 8 elements (16-byte copies of a 16-bit bias: hopper.score_tiles_copyable)."""
     keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT))
     ptrs = ROW + (gl.expand_dims(row_offsets, 1) + gl.expand_dims(keys, 0))
     ok = gl.max_constancy(gl.expand_dims(row_ok, 1) & gl.expand_dims(keys < seqlen_k, 0), [1, 8])
