@@ -285,11 +285,11 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rows_ok = rows < seqlen_q - m0
     if HAS_BIAS:
-        copy_score_tile(bias_buf, BIAS_HEAD + gl.multiple_of(m0.to(gl.int64) * bias_stride_s, [8]),
-                        gl.multiple_of(rows * bias_stride_s, [8]), rows_ok, n0, seqlen_k, BN, layout)
+        copy_score_tile(bias_buf, BIAS_HEAD + gl.multiple_of(m0.to(gl.int64) * bias_stride_s, [8]), rows,
+                        bias_stride_s, rows_ok, n0, seqlen_k, BN, layout)
     if HAS_MASK:
-        copy_score_tile(mask_buf, MASK_HEAD + gl.multiple_of(m0.to(gl.int64) * mask_stride_s, [8]),
-                        gl.multiple_of(rows * mask_stride_s, [8]), rows_ok, n0, seqlen_k, BN, layout)
+        copy_score_tile(mask_buf, MASK_HEAD + gl.multiple_of(m0.to(gl.int64) * mask_stride_s, [8]), rows,
+                        mask_stride_s, rows_ok, n0, seqlen_k, BN, layout)
     async_copy.commit_group()
 
 

@@ -42,10 +42,9 @@ from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 SPARSE_LISTS = gl.constexpr(1)
 SPARSE_RUNS = gl.constexpr(2)
 # How one warpgroup copies a [64, 128] tile of the bias: 8 consecutive elements a thread, 16-byte copies
-# (L1 bypassed) whose warp covers whole sectors.  The mask's: half of one row a thread.  Copied like the bias,
-# its eight row offsets a thread were held through the key loop, spilled and reloaded before every copy;
-# copied like the mask, the bias's half-sector requests ran it 1.2-1.8x slower (NOTES: "Mask tiles: one row
-# a thread").
+# (L1 bypassed) whose warp covers whole sectors.  The mask's: half of one row a thread, one row offset where
+# the bias's layout has eight; copied like the mask, the bias's half-sector requests ran it 1.2-1.8x slower
+# (NOTES: "Score tiles: row offsets, not spills").
 BIAS_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 MASK_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0]))
 
@@ -233,9 +232,9 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
     them, they land during the next S and P V GEMMs."""
     bias_ok, mask_ok = rows_ok
     if HAS_BIAS:
-        copy_score_tile(bias_buf, BIAS_ROW, bias_rows, bias_ok, n0, seqlen_k, BN, BIAS_COPY_LAYOUT)
+        copy_score_tile(bias_buf, BIAS_ROW, bias_rows[0], bias_rows[1], bias_ok, n0, seqlen_k, BN, BIAS_COPY_LAYOUT)
     if HAS_MASK:
-        copy_score_tile(mask_buf, MASK_ROW, mask_rows, mask_ok, n0, seqlen_k, BN, MASK_COPY_LAYOUT)
+        copy_score_tile(mask_buf, MASK_ROW, mask_rows[0], mask_rows[1], mask_ok, n0, seqlen_k, BN, MASK_COPY_LAYOUT)
     if HAS_BIAS or HAS_MASK:
         async_copy.commit_group()
 
@@ -291,8 +290,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     copy_rows_ok = (bias_copy_rows < seqlen_q - half_row0, mask_copy_rows < seqlen_q - half_row0)
     BIAS_ROW = BIAS_ROW + gl.multiple_of(half_row0.to(gl.int64) * bias_stride_s, [8])
     MASK_ROW = MASK_ROW + gl.multiple_of(half_row0.to(gl.int64) * mask_stride_s, [8])
-    bias_rows = gl.multiple_of(bias_copy_rows * bias_stride_s, [8])
-    mask_rows = gl.multiple_of(mask_copy_rows * mask_stride_s, [8])
+    bias_rows = (bias_copy_rows, bias_stride_s)   # (rows, stride): copy_score_tile
+    mask_rows = (mask_copy_rows, mask_stride_s)
     m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)
     acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)

@@ -33,15 +33,20 @@ def capped_tanh(x, SOFTCAP: gl.constexpr):
 
 
 @gluon.jit
-def copy_score_tile(buf, ROW, row_offsets, row_ok, n0, seqlen_k, BN: gl.constexpr, LAYOUT: gl.constexpr):
+def copy_score_tile(buf, ROW, rows, stride, row_ok, n0, seqlen_k, BN: gl.constexpr, LAYOUT: gl.constexpr):
     """Start copying keys n0.. of some rows of a per-score tensor (bias, attention mask) into `buf`
-    (cp.async, zeros outside the sequences): row i starts at ROW + row_offsets[i]; LAYOUT spreads the
+    (cp.async, zeros outside the sequences): row i starts at ROW + rows[i] * stride; LAYOUT spreads the
     copy over the partition's threads, runs of 8 or more consecutive elements each.  Issued once the
     previous tile has read `buf`, it lands during the next GEMMs, with no registers holding it (a TMA
     ring would not fit beside the kernels' tiles).  The plans make the rows' offsets and Sk multiples
-    of 8 elements (16-byte copies of a 16-bit bias: hopper.score_tiles_copyable)."""
+    of 8 elements (16-byte copies of a 16-bit bias: hopper.score_tiles_copyable).
+
+    The row offsets are recomputed at each copy, from `rows` passed through an opaque move: computed
+    once, they were a thread's several values held through the key loop, which ptxas spilled and
+    reloaded before every copy (NOTES: "Score tiles: row offsets, not spills")."""
+    rows = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows], dtype=gl.int32, is_pure=False, pack=1)
     keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT))
-    ptrs = ROW + (gl.expand_dims(row_offsets, 1) + gl.expand_dims(keys, 0))
+    ptrs = ROW + (gl.expand_dims(gl.multiple_of(rows * stride, [8]), 1) + gl.expand_dims(keys, 0))
     ok = gl.max_constancy(gl.expand_dims(row_ok, 1) & gl.expand_dims(keys < seqlen_k, 0), [1, 8])
     async_copy.async_copy_global_to_shared(buf, ptrs, mask=ok)
 
