@@ -209,7 +209,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
             ok = ok & (gl.expand_dims(q_ids, 1) == gl.expand_dims(k_ids, 0))
         s = gl.where(ok, s, float("-inf"))
     if HAS_MASK:
-        s = masked_scores(s, mask_buf.load(s.type.layout))
+        s = masked_scores(s, mask_buf, s.shape[0], BN)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
