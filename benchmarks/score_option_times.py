@@ -3,8 +3,10 @@ bool mask (90% kept), a bf16 bias, both, and neither: B = 2, S = 4096, D = 128 (
 non-causal and causal.  Prints the package it ran and a checksum of each output, so that two source trees
 compare (PYTHONPATH=/tmp/base for the other).
 
-    python benchmarks/score_option_times.py
+    python benchmarks/score_option_times.py [CASE ...]   only these of mask, bias, bias+mask (and none)
 """
+import sys
+
 import torch
 
 import dualattn
@@ -31,8 +33,11 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     for D, H in SHAPES:
         q, k, v, do, cases = score_cases(D, H, gen)
+        wanted = sys.argv[1:]
         for causal in (False, True):
             for name, kw in cases.items():
+                if wanted and name != "none" and name not in wanted:
+                    continue
                 with torch.no_grad():
                     for _ in range(2):   # the second round is printed: compiled and warm
                         fwd = kernel_times(lambda: dt.flash_attention(q, k, v, causal=causal, **kw), calls=10, width=40)

@@ -385,13 +385,17 @@ SCORED_CASES = {
     # two tiles in flight (hopper.gluon_score_buffers): over many key tiles, and over one (an empty commit group)
     "d128-causal-mask-gqa": (1, 1024, 1024, 8, 2, 128, dict(causal=True), None, (1, 8)),
     "d64-bias-mask-one-key-tile": (2, 256, 104, 4, 4, 64, {}, ((2, 4), torch.bfloat16), (2, 4)),
+    # a 16-bit bias at D = 128 holds its second tiles in O's staging buffers: several items a program, an odd
+    # count of key tiles (the last item's O store, then the next item's second tile, in the same buffer)
+    "d128-bias-items-share-o-buffers": (1, 4096, 384, 16, 4, 128, {}, ((1, 16), torch.bfloat16), None),
 }
 
 
 def test_plan_holds_score_tiles_twice_where_they_fit():
     """hopper.gluon_score_buffers: two bias / mask tiles per warpgroup where both fit twice beside the
-    forward's other buffers (a mask alone at D = 128; a 16-bit bias and a mask at D = 64), else one; the
-    plan passes it as SCORE_BUFS."""
+    forward's other buffers (a mask alone at D = 128; a 16-bit bias and a mask at D = 64), or where a 16-bit
+    bias alone at D = 128 keeps its second tiles in O's staging buffers, else one; the plan passes it as
+    SCORE_BUFS."""
     from dualattn.kernels.flash import hopper
 
     def bufs(d, bias=None, mask=False):
@@ -402,8 +406,27 @@ def test_plan_holds_score_tiles_twice_where_they_fit():
         assert launch.kernel == GLUON_FWD
         assert launch.constexpr_dict["SCORE_BUFS"] == hopper.gluon_score_buffers(shapes)
         return launch.constexpr_dict["SCORE_BUFS"]
-    assert [bufs(128, mask=True), bufs(128, "bfloat16"), bufs(128, "bfloat16", True), bufs(128)] == [2, 1, 1, 1]
+    assert [bufs(128, mask=True), bufs(128, "bfloat16"), bufs(128, "float16"), bufs(128, "bfloat16", True),
+            bufs(128)] == [2, 2, 2, 1, 1]
     assert [bufs(64, "bfloat16", True), bufs(64, "float16"), bufs(64, "float32"), bufs(64, mask=True)] == [2, 2, 1, 2]
+
+
+def test_bias_second_tiles_in_o_buffers_fit_shared_memory(monkeypatch):
+    """A 16-bit bias at D = 128 holds two tiles per warpgroup, the second in O's staging buffer (O_SCORES):
+    the compiled variant takes no more shared memory than one tile did, within sm_90's 227 KB."""
+    shapes, options, strides, config = gluon_problem(d=128, causal=True, bias=True)
+    shapes = dataclasses.replace(shapes, bias_dtype="bfloat16")
+    dtypes = {**dict.fromkeys(("query", "key", "value", "bias"), "bfloat16"), "lse": "float32"}
+    sizes = {}
+    for bufs in (2, 1):
+        monkeypatch.setattr(flash_plan, "gluon_score_buffers", lambda s, bufs=bufs: bufs)
+        flash_plan.forget_plans()
+        launch = flash_plan.plan_forward(shapes, options, strides, config=config, warp_specialize=True, gluon=True,
+                                         num_sms=132)
+        assert launch.kernel == GLUON_FWD and launch.constexpr_dict["SCORE_BUFS"] == bufs
+        sizes[bufs] = compile_check.compile_launch(launch, dtypes, arch=90).metadata.shared
+    flash_plan.forget_plans()
+    assert sizes[2] == sizes[1] <= 232448, sizes
 
 
 @pytest.mark.gpu

@@ -254,20 +254,20 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr,
               SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
-              DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr):
+              DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (SPARSE: LIST's first
     n_tiles; _key_tile) (ring positions r on):
     (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
     (Sq, Sk) bias and attention mask (HAS_BIAS, HAS_MASK).  DROPOUT: `dropout` = (seed, batch * Hq +
     head, threshold); P V takes the probabilities rules.dropout_keep keeps (the hash every kernel
     applies), the row sums count them all, and the caller scales O by 1 / (1 - p).  bias_ring, mask_ring:
-    both warpgroups' tiles, SCORE_BUFS each (this one's from RING0 = HALF * SCORE_BUFS); key tile i's are copied
-    into tile RING0 + i % SCORE_BUFS, SCORE_BUFS key tiles ahead, one
+    both warpgroups' tiles, SCORE_BUFS each (this one's HALF, HALF + 2); key tile i's are copied
+    into tile HALF + 2 * (i % SCORE_BUFS), SCORE_BUFS key tiles ahead, one
     commit group per key tile (empty past the last), so that key tile i's have landed once all but the
     SCORE_BUFS - 1 youngest groups have."""
     HM: gl.constexpr = BM // 2
     gl.static_assert(BN == 128, "BIAS_COPY_LAYOUT and MASK_COPY_LAYOUT span 128 keys")
-    RING0: gl.constexpr = HALF * SCORE_BUFS
+    RING0: gl.constexpr = HALF
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -303,7 +303,10 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
                            mask_rows, copy_rows_ok, j * BN, seqlen_k, BN, HAS_BIAS, HAS_MASK)
         if SCORE_BUFS == 2:
             if count > 1:
-                _fetch_next_scores(bias_ring.index(RING0 + 1), BIAS_ROW, bias_rows, mask_ring.index(RING0 + 1),
+                if O_SCORES:   # the second tile is O's staging buffer: the last item's O store has read it
+                    tma.store_wait(0)
+                    partition_barrier()
+                _fetch_next_scores(bias_ring.index(RING0 + 2), BIAS_ROW, bias_rows, mask_ring.index(RING0 + 2),
                                    MASK_ROW, mask_rows, copy_rows_ok, _key_tile(1, n_first, LIST, SPARSE) * BN,
                                    seqlen_k, BN, HAS_BIAS, HAS_MASK)
             else:
@@ -348,7 +351,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
             mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
             if HAS_BIAS or HAS_MASK:
                 scores_landed(SCORE_BUFS - 1)
-            b = RING0 + i % SCORE_BUFS
+            b = RING0 + 2 * (i % SCORE_BUFS)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
                                           (j < n_left_full) | (j >= n_full), q_ids, KSEG_ROW, cap_in,
                                           bias_ring.index(b), bias_in, mask_ring.index(b), CAUSAL, WINDOW, BN,
@@ -411,14 +414,14 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
                  SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
                  HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
-                 SCORE_BUFS: gl.constexpr):
+                 SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_bufs.dtype
     q_smem = q_bufs.index(HALF)
-    o_smem = o_bufs.index(HALF)
+    o_smem = o_bufs.index(HALF + (2 if O_SCORES else 0))   # (O_SCORES: the bias ring's second tiles)
     dropout_seed = 0
     if DROPOUT:
         dropout_seed = gl.load(DROPOUT_SEED)
@@ -442,7 +445,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                 bias_bufs, mask_head, mask_strides[2], mask_bufs,
                                                 (dropout_seed, batch * num_heads_q + head, dropout_threshold), HALF,
                                                 HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP,
-                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS)
+                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -511,7 +514,6 @@ def flash_fwd_gluon_kernel(
     o_desc = tma.make_tensor_descriptor(OUT, [batch, seqlen_q, num_heads_q * HEAD_DIM], [stride_ob, stride_os, 1],
                                         [1, HM, HEAD_DIM], o_layout)
     q_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
-    o_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -546,6 +548,14 @@ def flash_fwd_gluon_kernel(
     mask_tile: gl.constexpr = [2 * SCORE_BUFS, HM, BLOCK_N] if HAS_MASK else [2 * SCORE_BUFS, 8, 8]
     bias_bufs = gl.allocate_shared_memory(bias_ty, bias_tile, gl.SwizzledSharedLayout(
         128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
+    # O_SCORES: a 16-bit bias whose tiles are O's size (D = 128) holds its second tiles in O's staging buffers,
+    # idle through the key loop, so that two fit (hopper.gluon_score_buffers).
+    O_SCORES: gl.constexpr = (HAS_BIAS and SCORE_BUFS == 2 and HEAD_DIM == BLOCK_N
+                              and bias_ty.primitive_bitwidth == 16)
+    if O_SCORES:
+        o_bufs = bias_bufs._reinterpret(dtype, [2 * SCORE_BUFS, HM, HEAD_DIM], q_layout)
+    else:
+        o_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
     mask_bufs = gl.allocate_shared_memory(mask_ty, mask_tile, gl.SwizzledSharedLayout(
         128 // mask_ty.primitive_bitwidth, 1, 8, [1, 0]))
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_s)
@@ -558,14 +568,14 @@ def flash_fwd_gluon_kernel(
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 0,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 1,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
                      SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,
