@@ -411,6 +411,19 @@ def test_plan_holds_score_tiles_twice_where_they_fit():
     assert [bufs(64, "bfloat16", True), bufs(64, "float16"), bufs(64, "float32"), bufs(64, mask=True)] == [2, 2, 1, 2]
 
 
+def test_mask_pairs_reach_the_scores_layout_without_shared_memory():
+    """gluon_shared.masked_scores reads the mask tile as int16 pairs in mask_pairs_layout and joins their
+    bounds into S's layout: a conversion that moves no data, so the masked forward stores to shared memory
+    exactly where the plain one does (its mask reaches shared memory by cp.async, not st.shared)."""
+    dtypes = {**dict.fromkeys(("query", "key", "value", "out"), "bfloat16"), "lse": "float32", "attention_mask": "int8"}
+    stores = []
+    for mask in (True, False):
+        launch = _plan(d=128, mask=mask)
+        assert launch.kernel == GLUON_FWD
+        stores.append(compile_check.compile_launch(launch, dtypes, arch=90).asm["ptx"].count("st.shared"))
+    assert stores[0] == stores[1], stores
+
+
 def test_bias_second_tiles_in_o_buffers_fit_shared_memory(monkeypatch):
     """A 16-bit bias at D = 128 holds two tiles per warpgroup, the second in O's staging buffer (O_SCORES):
     the compiled variant takes no more shared memory than one tile did, within sm_90's 227 KB."""
