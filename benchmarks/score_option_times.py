@@ -30,10 +30,10 @@ def score_cases(D: int, H: int, gen: torch.Generator):
 
 def main():
     print(dualattn.__file__, torch.cuda.get_device_name(), torch.__version__, flush=True)
+    wanted = sys.argv[1:]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for D, H in SHAPES:
         q, k, v, do, cases = score_cases(D, H, gen)
-        wanted = sys.argv[1:]
         for causal in (False, True):
             for name, kw in cases.items():
                 if wanted and name != "none" and name not in wanted:

@@ -79,6 +79,7 @@ def masked_scores(s, mask_buf, HM: gl.constexpr, BN: gl.constexpr):
     xored with the bits of -inf: a shift and a logic op a score, with no byte extracted.  Read byte by
     byte (a byte extract, a shift and an xor a score) the masked forward at D = 64 took 1.105 ms against
     1.019 (H200, 2 x 32 heads x 4096^2; NOTES: "Mask pairs"); as a select on `keep != 0`, 1.32 ms."""
+    gl.static_assert(HM == 64, "mask_pairs_layout: four warps of 16 rows")
     w = mask_buf._reinterpret(gl.int16, [HM, BN // 2], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     w = w.load(mask_pairs_layout(HM, BN)).to(gl.int32)
     first = (w << 31) ^ NEG_INF_BITS
