@@ -100,6 +100,9 @@ def _cases() -> List[Case]:
               Case("window_sinks_d64", 2, 8192, 32, 64, True, sinks=True, window=128),
               Case("plain_d256", 2, 4096, 8, 256, False),
               Case("plain_causal_d256", 2, 4096, 8, 256, True),
+              # Gemma's heads: Gemma 2's soft cap, Gemma 3's 1024-token local windows
+              Case("softcap_causal_d256", 2, 4096, 8, 256, True, soft_cap=SOFT_CAP),
+              Case("window_causal_d256", 2, 8192, 8, 256, True, window=1024),
               Case("plain_d192", 2, 4096, 8, 192, False),
               Case("plain_d96", 2, 4096, 16, 96, False),
               Case("dropout", 2, 4096, 16, 128, False, dropout=DROPOUT),

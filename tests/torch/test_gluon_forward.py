@@ -120,6 +120,22 @@ def test_plan_takes_the_gluon_forward_for_documents():
     assert not _plan(causal=True).constexpr_dict["SEGMENTS"]
 
 
+def test_plan_takes_the_gluon_forward_at_d256():
+    """D = 256 (Gemma's heads): 64-key tiles (Q, two stages of K and V, O staged in Q's buffers:
+    hopper.GLUON_FWD_TILES), with the options that need no 128-key copy or block; a bias, a mask or a block-sparse layout keeps the
+    Triton forward, and so does D = 192 (no power of two)."""
+    for extra in (dict(), dict(causal=True), dict(causal=True, logits_soft_cap=50.0, sinks=True),
+                  dict(sliding_window=(1023, 0)), dict(causal=True, segments=True), dict(dropout_prob=0.1)):
+        launch = _plan(d=256, hq=8, hkv=2, sq=4096, sk=4096, **extra)
+        launch = launch.chain[-1] if launch.then is not None else launch
+        assert launch.kernel == GLUON_FWD, extra
+        const = launch.constexpr_dict
+        assert (const["HEAD_DIM"], const["BLOCK_M"], const["BLOCK_N"], const["STAGES"]) == (256, 128, 64, 2), extra
+    for extra in (dict(bias=True), dict(mask=True)):
+        assert _plan(d=256, sq=4096, sk=4096, **extra).kernel == "flash_fwd_kernel", extra
+    assert _plan(d=192, sq=4096, sk=4096).kernel == "flash_fwd_kernel"
+
+
 def test_plan_keeps_the_triton_forward(monkeypatch):
     for kwargs in (dict(gluon=False), dict(d=96),
                    dict(dtype="float32"),
@@ -206,19 +222,27 @@ def test_plan_runs_short_windows_on_the_portable_backward(monkeypatch):
     (64, False, 4, 4, "bfloat16", 1000, dict(logits_soft_cap=30.0, sinks=True)),
     (128, True, 4, 2, "bfloat16", 1024, dict(bias=True)), (64, False, 4, 4, "float16", 1000, dict(mask=True)),
     (128, False, 4, 4, "bfloat16", 1000, dict(bias=True, mask=True, logits_soft_cap=30.0, hardware_tanh=True)),
-    (64, True, 4, 2, "bfloat16", 1024, dict(bias=True, segments=True, sliding_window=(200, 0), sinks=True))])
+    (64, True, 4, 2, "bfloat16", 1024, dict(bias=True, segments=True, sliding_window=(200, 0), sinks=True)),
+    (256, False, 4, 2, "bfloat16", 1000, {}), (256, True, 4, 4, "float16", 1024, dict(sinks=True)),
+    (256, True, 4, 2, "bfloat16", 1000, dict(logits_soft_cap=30.0, hardware_tanh=True, sliding_window=(300, 0))),
+    (256, True, 4, 2, "bfloat16", 1024, dict(segments=True, dropout_prob=0.1))])
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
-    """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store;
-    the soft cap's tanh as the GPU's tanh.approx where the plan asks for it."""
+    """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store,
+    within sm_90's shared memory (at D = 256 O is staged in Q's buffers); the soft cap's tanh as the GPU's
+    tanh.approx where the plan asks for it."""
+    from dualattn.kernels.flash import fit
     set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "1")   # short windows too (hopper.short_window_forward)
     launch = _plan(d=d, causal=causal, hq=hq, hkv=hkv, dtype=dtype, sk=sk, **extra).chain[-1]
-    assert launch.kernel == GLUON_FWD and launch.constexpr_dict["EVEN_K"] == (sk % 128 == 0)
+    const = launch.constexpr_dict
+    assert launch.kernel == GLUON_FWD and const["EVEN_K"] == (sk % const["BLOCK_N"] == 0)
     compiled = compile_check.compile_launch(
         launch, {**dict.fromkeys(("query", "key", "value"), dtype), "softmax_aux": "float32",
-                 **dict.fromkeys(("q_segment_ids", "kv_segment_ids", "segment_ranges"), "int32"),
+                 **dict.fromkeys(("q_segment_ids", "kv_segment_ids", "segment_ranges", "dropout_seed"), "int32"),
                  "bias": "bfloat16", "attention_mask": "int8"}, arch=90)
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.num_warps == 12
+    if not (const["HAS_BIAS"] and const["HAS_MASK"] and d == 128):   # (those do not fit: fit.forward)
+        assert compiled.metadata.shared <= fit.MAX_SHARED_BYTES[90]
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
     assert "cp.async.bulk.tensor.3d.global.shared" in ptx   # O through a rank-3 descriptor (clipped at Sq)
     assert ("tanh.approx.f32" in ptx) == (launch.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU)
@@ -257,6 +281,14 @@ GPU_CASES = {
     # rows that see nothing under the soft cap (O = 0, lse = -inf)
     "d128-causal-softcap-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=128,
                                            opts=dict(causal=True, logits_soft_cap=10.0)),
+    # D = 256: 64-key tiles, O staged in Q's buffers (the next item's Q waits for O's store)
+    "d256-causal-gqa": dict(b=2, sq=1024, sk=1024, hq=4, hkv=2, d=256, opts=dict(causal=True)),
+    "d256-ragged": dict(b=2, sq=1000, sk=1100, hq=2, hkv=2, d=256, opts={}),
+    "d256-causal-3-programs": dict(b=1, sq=896, sk=896, hq=2, hkv=1, d=256, opts=dict(causal=True), num_sms="3"),
+    "d256-causal-empty-rows-2-programs": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=256, opts=dict(causal=True),
+                                              num_sms="2"),
+    "d256-window-softcap-sinks": dict(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=256,
+                                      opts=dict(sliding_window=(300, 0), logits_soft_cap=20.0), sinks=True),
 }
 
 

@@ -254,7 +254,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
               HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr,
               SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
-              DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr):
+              DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr, O_IN_Q: gl.constexpr):
     """One warpgroup's half of one query tile, over key tiles [n_first, n_tiles) (SPARSE: LIST's first
     n_tiles; _key_tile) (ring positions r on):
     (O unnormalised, row max, row sum, its rows).  BIAS_ROW, MASK_ROW: the (batch, head)'s
@@ -264,9 +264,10 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     both warpgroups' tiles, SCORE_BUFS each (this one's HALF, HALF + 2); key tile i's are copied
     into tile HALF + 2 * (i % SCORE_BUFS), SCORE_BUFS key tiles ahead, one
     commit group per key tile (empty past the last), so that key tile i's have landed once all but the
-    SCORE_BUFS - 1 youngest groups have."""
+    SCORE_BUFS - 1 youngest groups have.  O_IN_Q: Q's buffer is O's staging buffer, so Q is given back
+    (q_empty) by the caller once O's store has read it, not here after the last S GEMM."""
     HM: gl.constexpr = BM // 2
-    gl.static_assert(BN == 128, "BIAS_COPY_LAYOUT and MASK_COPY_LAYOUT span 128 keys")
+    gl.static_assert(BN == 128 or not (HAS_BIAS or HAS_MASK), "BIAS_COPY_LAYOUT and MASK_COPY_LAYOUT span 128 keys")
     RING0: gl.constexpr = HALF
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
@@ -317,7 +318,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_empty.index(st), count=1)
-        mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
+        if not O_IN_Q:
+            mbarrier.arrive(q_empty, count=1, pred=count == 1)  # the last S GEMM has read Q
         if HAS_BIAS or HAS_MASK:
             scores_landed(SCORE_BUFS - 1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j * BN, rows, seqlen_k, diag, window_left,
@@ -348,7 +350,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j back, P_{j-1} V_{j-1} in flight
             # K_j is read: the load warp may fetch K_{j+STAGES} during this softmax, not after P V.
             mbarrier.arrive(k_empty.index(sn), count=1)
-            mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty, count=1, pred=i == count - 1)
             if HAS_BIAS or HAS_MASK:
                 scores_landed(SCORE_BUFS - 1)
             b = RING0 + 2 * (i % SCORE_BUFS)
@@ -375,7 +378,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sl), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(sl), count=1)
-    else:
+    elif not O_IN_Q:
         mbarrier.arrive(q_empty, count=1)  # nothing visible from this tile: Q unused
     return acc, m_i, l_i, rows
 
@@ -414,14 +417,14 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
                  SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
                  HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
-                 SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr):
+                 SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr, O_IN_Q: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_bufs.dtype
     q_smem = q_bufs.index(HALF)
-    o_smem = o_bufs.index(HALF + (2 if O_SCORES else 0))   # (O_SCORES: the bias ring's second tiles)
+    o_smem = o_bufs.index(HALF + (2 if O_SCORES else 0))   # (O_SCORES: the bias ring's second tiles; O_IN_Q: Q's)
     dropout_seed = 0
     if DROPOUT:
         dropout_seed = gl.load(DROPOUT_SEED)
@@ -445,7 +448,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                 bias_bufs, mask_head, mask_strides[2], mask_bufs,
                                                 (dropout_seed, batch * num_heads_q + head, dropout_threshold), HALF,
                                                 HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP,
-                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES)
+                                                HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES, O_IN_Q)
                 r += n_tiles - n_first
                 tile += 1
                 if NUM_SINKS > 0:
@@ -467,6 +470,9 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 partition_barrier()
                 tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head * HEAD_DIM],
                                                 o_smem._reinterpret(dtype, [1, HM, HEAD_DIM], o_desc.layout))
+                if O_IN_Q:   # the store has read Q's buffer: the load warp may fetch the next item's Q
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty, count=1)
                 lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
                 if NUM_SINKS > 0:
                     lse = gl.where(saturated, float("inf"), lse)
@@ -552,8 +558,13 @@ def flash_fwd_gluon_kernel(
     # idle through the key loop, so that two fit (hopper.gluon_score_buffers).
     O_SCORES: gl.constexpr = (HAS_BIAS and SCORE_BUFS == 2 and HEAD_DIM == BLOCK_N
                               and bias_ty.primitive_bitwidth == 16)
+    # O_IN_Q: at D = 256 Q, two stages of K and V and O's own buffers would take 256 KB; O is staged in Q's
+    # buffers instead, and the next item's Q waits for O's store (hopper.GLUON_FWD_TILES).
+    O_IN_Q: gl.constexpr = HEAD_DIM > 128
     if O_SCORES:
         o_bufs = bias_bufs._reinterpret(dtype, [2 * SCORE_BUFS, HM, HEAD_DIM], q_layout)
+    elif O_IN_Q:
+        o_bufs = q_bufs
     else:
         o_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
     mask_bufs = gl.allocate_shared_memory(mask_ty, mask_tile, gl.SwizzledSharedLayout(
@@ -568,14 +579,16 @@ def flash_fwd_gluon_kernel(
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 0,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES,
+                        O_IN_Q)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                         o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 1,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES)),
+                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES,
+                        O_IN_Q)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
                      SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,

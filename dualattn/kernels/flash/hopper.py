@@ -40,13 +40,13 @@ def gluon_allowed(arch: Optional[int], warp_specialize: bool) -> bool:
     return warp_specialize and arch == 90
 
 
-def _use_tma(requested: bool, shapes: FlashShapes, constexprs) -> bool:
+def _use_tma(requested: bool, shapes: FlashShapes, constexprs, max_width: int = 128) -> bool:
     """TMA tile loads (rules.row_tiles) where the launcher asked for them and a descriptor is
     legal: 16-byte aligned rows and head offsets (every stride a multiple of 16 elements; the
-    launcher checks the base pointers) and tiles at most 128 wide (ptxas 3.6 crashes on
-    256-wide TMA tiles, checked offline for sm_90)."""
+    launcher checks the base pointers) and tiles at most `max_width` wide (ptxas 3.6 crashes on
+    the Triton kernels' 256-wide TMA tiles, checked offline for sm_90; the Gluon forward's compile)."""
     const = dict(constexprs)
-    return bool(requested) and const["STRIDES_ALIGNED"] and max(const["BLOCK_D"], const["BLOCK_DV"]) <= 128
+    return bool(requested) and const["STRIDES_ALIGNED"] and max(const["BLOCK_D"], const["BLOCK_DV"]) <= max_width
 
 
 # The warp-specialised forward's tile.  Triton 3.6's Hopper pass specialises only 4-warp loops
@@ -71,7 +71,7 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
             and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK)
 
 
-def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs) -> bool:
+def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], constexprs, max_width: int = 128) -> bool:
     """What every warp-specialised kernel needs.  Ruled out: per-element options that read a tile
     beside the scores -- bias, mask, segments, dropout, explicit positions, block-sparse lists --
     and packed keys; 32-bit inputs; TMA-illegal strides or widths.  Needed: at least one full
@@ -81,7 +81,7 @@ def _warp_specializable(shapes: FlashShapes, sparse: Optional[SparseInfo], const
     const = dict(constexprs)
     return (sparse is None and not shapes.varlen
             and shapes.seqlen_q >= WS_TILE.block_m and shapes.seqlen_q % 4 == 0
-            and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs)
+            and shapes.dtype in ("bfloat16", "float16") and _use_tma(True, shapes, constexprs, max_width)
             and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
@@ -296,11 +296,12 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     return tile
 
 
-# The Gluon forward (forward_gluon.py): (BLOCK_M, BLOCK_N, STAGES); two 64-row compute warpgroups, 4 warps
-# each.  Against the Triton forward (kernel time, 16k tokens, S = 1024-16384, NOTES: "No ping-pong between the
-# warpgroups"): D=128 non-causal +9-15%, causal +26-38%; D=64 non-causal +2-4%, causal +6-17%.  (STAGES = 3 at
-# D=64 gained nothing.)
-GLUON_FWD_TILE = (128, 128, 2)
+# The Gluon forward (forward_gluon.py): (BLOCK_M, BLOCK_N, STAGES) by head dim; two 64-row compute warpgroups,
+# 4 warps each.  Against the Triton forward (kernel time, 16k tokens, S = 1024-16384, NOTES: "No ping-pong between
+# the warpgroups"): D=128 non-causal +9-15%, causal +26-38%; D=64 non-causal +2-4%, causal +6-17%.  (STAGES = 3 at
+# D=64 gained nothing.)  D=256: Q (64 KB) and two stages of 64-key K and V tiles (128 KB), O staged in Q's buffers
+# (forward_gluon's O_IN_Q); a warpgroup holds O in 128 registers a thread and S in 32.
+GLUON_FWD_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
 GLUON_FWD_WARPS = 4
 # Its bias and mask tiles each compute warpgroup keeps in flight (forward_gluon._fwd_tile): two where they fit, so
 # that a key tile's copy is issued a whole key tile before its softmax reads it, not one S GEMM before.  What fits
@@ -327,17 +328,19 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
                   flag: Optional[str] = None) -> bool:
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
-    What the warp-specialised kernels need (_warp_specializable), head dims of 64 or 128 (equal
-    for K and V), a window only as causal or causal with a left side (sliding windows: Mistral,
-    GPT-OSS), sinks of any count (joined after the loop), segment ids (packed documents, not
-    varlen: _warp_specializable), the soft cap (the Triton kernels' tanh, softcap_mode), a bias and an
-    attention mask (any broadcast over batch and heads), dropout (rules.dropout_keep, the hash every
-    kernel applies); descriptors
-    over whole arrays, so in
+    What the warp-specialised kernels need (_warp_specializable), head dims of 64, 128 or 256
+    (equal for K and V; 256 without a bias, mask or block-sparse layout), a window only as causal or
+    causal with a left side (sliding windows: Mistral, GPT-OSS), sinks of any count (joined after the
+    loop), segment ids (packed documents, not varlen: _warp_specializable), the soft cap (the Triton
+    kernels' tanh, softcap_mode), a bias and an attention mask (any broadcast over batch and heads),
+    dropout (rules.dropout_keep, the hash every kernel applies); descriptors over whole arrays, so in
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  A block-sparse layout whose blocks are the kernel's tiles (sparse_on_gluon_tiles): each
     query tile walks its list of key blocks.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
-    if flag == "0" or shapes.head_dim not in (64, 128) or shapes.head_dim_v != shapes.head_dim:
+    if flag == "0" or shapes.head_dim not in GLUON_FWD_TILES or shapes.head_dim_v != shapes.head_dim:
+        return False
+    # D = 256 runs 64-key tiles: the bias and mask copies span 128 keys, block-sparse blocks are 128 x 128 tiles
+    if GLUON_FWD_TILES[shapes.head_dim][1] != 128 and (shapes.has_bias or shapes.has_mask or sparse is not None):
         return False
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False
@@ -345,7 +348,8 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
         return False
     # Segment ids: each query tile's key tiles narrowed by its segment ranges (plan.segment_ranges_first), ids
     # compared on the tiles outside its one-id run.  A bias and an attention mask: read per tile beside S.
-    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT")):
+    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT"),
+                               max_width=max(GLUON_FWD_TILES)):
         return False
     if not all(score_tiles_copyable(shapes, strides, name) for name in ("bias", "attention_mask")):
         return False

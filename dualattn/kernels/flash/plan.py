@@ -17,7 +17,7 @@ from ... import switches
 from ...options import FlashOptions, dropout_threshold
 from ...validation import FlashShapes
 from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
-from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILE, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
+from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILES, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
                      gluon_allowed, gluon_forward, gluon_score_buffers, one_pass_backward, one_pass_persistent,
@@ -231,7 +231,7 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
     causal or block-sparse, a pair of them); with segment ids, after the launch of its tiles' segment ranges.
     Block-sparse: the layout's lists (its blocks are the tiles: hopper.sparse_on_gluon_tiles)."""
-    block_m, block_n, stages = GLUON_FWD_TILE
+    block_m, block_n, stages = GLUON_FWD_TILES[shapes.head_dim]
     causal = options.window_right == 0   # (gluon_forward: a window_left only with it)
     q_tiles = cdiv(shapes.seqlen_q, block_m)
     num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal or sparse is not None else q_tiles)
