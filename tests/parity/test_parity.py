@@ -393,6 +393,22 @@ def test_gpu_options_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, opti
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d, options", [(256, {}), (256, dict(logits_soft_cap=30.0, sliding_window=(1000, 0))),
+                                        (192, {}), (96, dict(logits_soft_cap=30.0))],
+                         ids=["d256", "d256-gemma", "d192", "d96-softcap"])
+def test_gpu_wide_heads_on_the_gluon_forward_are_the_same_in_both(monkeypatch, d, options):
+    """D = 256 on the Gluon forward (64-key tiles, O staged in Q's buffers), 192 and 96 padded to its tiles,
+    with the portable two-pass backward: the same out, dQ, dK and dV bits in both frameworks."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward runs on sm_90 only")
+    from plan_spy import spy_kernels
+    forward_kernels = spy_kernels(monkeypatch, "plan_forward")
+    t, j = _gpu_both(_gpu_inputs(2, 1, 2048, 4, d), True, **options)
+    _assert_same_bits(t, j, one_pass=False)
+    assert forward_kernels and set(forward_kernels) == {"flash_fwd_gluon_kernel"}, forward_kernels
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d, causal, bias, with_mask", [(128, True, "learned", False), (128, True, "fixed", False),
                                                         (64, False, "fixed", True), (128, False, None, True)])
 def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, causal, bias, with_mask):

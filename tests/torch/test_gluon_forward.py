@@ -122,8 +122,8 @@ def test_plan_takes_the_gluon_forward_for_documents():
 
 def test_plan_takes_the_gluon_forward_at_d256():
     """D = 256 (Gemma's heads): 64-key tiles (Q, two stages of K and V, O staged in Q's buffers:
-    hopper.GLUON_FWD_TILES), with the options that need no 128-key copy or block; a bias, a mask or a block-sparse layout keeps the
-    Triton forward, and so does D = 192 (no power of two)."""
+    hopper.GLUON_FWD_TILES), with the options that need no 128-key copy or block; a bias or a mask keeps the
+    Triton forward."""
     for extra in (dict(), dict(causal=True), dict(causal=True, logits_soft_cap=50.0, sinks=True),
                   dict(sliding_window=(1023, 0)), dict(causal=True, segments=True), dict(dropout_prob=0.1)):
         launch = _plan(d=256, hq=8, hkv=2, sq=4096, sk=4096, **extra)
@@ -133,11 +133,21 @@ def test_plan_takes_the_gluon_forward_at_d256():
         assert (const["HEAD_DIM"], const["BLOCK_M"], const["BLOCK_N"], const["STAGES"]) == (256, 128, 64, 2), extra
     for extra in (dict(bias=True), dict(mask=True)):
         assert _plan(d=256, sq=4096, sk=4096, **extra).kernel == "flash_fwd_kernel", extra
-    assert _plan(d=192, sq=4096, sk=4096).kernel == "flash_fwd_kernel"
+
+
+@pytest.mark.parametrize("d, width", [(96, 128), (80, 128), (192, 256), (144, 256)])
+def test_plan_pads_other_head_dims_on_the_gluon_forward(d, width):
+    """Head dims between the tiles' widths (96, 192: multiples of 16) run the tiles of the next power of two
+    (hopper.gluon_forward_width), the columns past D TMA's zeros; without a bias or mask (the Triton forward)."""
+    launch = _plan(d=d, causal=True, sinks=True, sq=2048, sk=2048)
+    const = launch.constexpr_dict
+    assert launch.kernel == GLUON_FWD and (const["HEAD_DIM"], const["BLOCK_D"]) == (d, width)
+    assert const["BLOCK_N"] == flash_plan.GLUON_FWD_TILES[width][1]
+    assert _plan(d=d, bias=True, sq=2048, sk=2048).kernel == "flash_fwd_kernel"
 
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
-    for kwargs in (dict(gluon=False), dict(d=96),
+    for kwargs in (dict(gluon=False), dict(d=100), dict(d=48),
                    dict(dtype="float32"),
                    dict(k_strides=(1024 * 4 * 256, 4 * 256, 256, 1))):  # key heads not side by side
         assert _plan(causal=True, **kwargs).kernel == "flash_fwd_kernel", kwargs
@@ -225,7 +235,9 @@ def test_plan_runs_short_windows_on_the_portable_backward(monkeypatch):
     (64, True, 4, 2, "bfloat16", 1024, dict(bias=True, segments=True, sliding_window=(200, 0), sinks=True)),
     (256, False, 4, 2, "bfloat16", 1000, {}), (256, True, 4, 4, "float16", 1024, dict(sinks=True)),
     (256, True, 4, 2, "bfloat16", 1000, dict(logits_soft_cap=30.0, hardware_tanh=True, sliding_window=(300, 0))),
-    (256, True, 4, 2, "bfloat16", 1024, dict(segments=True, dropout_prob=0.1))])
+    (256, True, 4, 2, "bfloat16", 1024, dict(segments=True, dropout_prob=0.1)),
+    (96, True, 4, 2, "bfloat16", 1000, dict(sinks=True, sliding_window=(300, 0))),
+    (192, False, 4, 4, "float16", 1024, {})])
 def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype, sk, extra):
     """Two compute warpgroups of 240 registers and a load warp (its warpgroup at 24), O by TMA store,
     within sm_90's shared memory (at D = 256 O is staged in Q's buffers); the soft cap's tanh as the GPU's
@@ -244,7 +256,8 @@ def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype,
     if not (const["HAS_BIAS"] and const["HAS_MASK"] and d == 128):   # (those do not fit: fit.forward)
         assert compiled.metadata.shared <= fit.MAX_SHARED_BYTES[90]
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
-    assert "cp.async.bulk.tensor.3d.global.shared" in ptx   # O through a rank-3 descriptor (clipped at Sq)
+    # O through a descriptor of (batch, seq, head * dim), clipped at Sq; padded head dims: (batch, seq, head, dim)
+    assert f"cp.async.bulk.tensor.{3 if const['BLOCK_D'] == d else 4}d.global.shared" in ptx
     assert ("tanh.approx.f32" in ptx) == (launch.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU)
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
 
@@ -289,6 +302,13 @@ GPU_CASES = {
                                               num_sms="2"),
     "d256-window-softcap-sinks": dict(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=256,
                                       opts=dict(sliding_window=(300, 0), logits_soft_cap=20.0), sinks=True),
+    # head dims padded to the next tile width (the columns past D: TMA's zeros on loads, clipped on the store)
+    "d96-causal-gqa-ragged": dict(b=2, sq=1000, sk=1100, hq=4, hkv=2, d=96, opts=dict(causal=True)),
+    "d96-window-softcap-sinks-3-programs": dict(b=1, sq=896, sk=896, hq=2, hkv=1, d=96, num_sms="3", sinks=True,
+                                                opts=dict(sliding_window=(200, 0), logits_soft_cap=20.0)),
+    "d192-ragged": dict(b=2, sq=1000, sk=1100, hq=2, hkv=2, d=192, opts={}),
+    "d192-causal-3-programs": dict(b=1, sq=896, sk=896, hq=4, hkv=2, d=192, opts=dict(causal=True), num_sms="3"),
+    "d80-causal": dict(b=1, sq=1024, sk=1024, hq=4, hkv=4, d=80, opts=dict(causal=True)),
 }
 
 

@@ -136,10 +136,22 @@ def _key_tile(i, n_first, LIST, SPARSE: gl.constexpr):
 
 
 @gluon.jit
+def _load_rows(desc, row, head, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """TMA-load the box's rows from `row` on, of head `head`, into buf.  BLOCK_D > HEAD_DIM (D = 96, 192): the
+    descriptor is (rows, heads, dims), so the tile's columns past HEAD_DIM are TMA's zeros, not the next head's."""
+    if BLOCK_D == HEAD_DIM:
+        tma.async_copy_global_to_shared(desc, [row, head * HEAD_DIM], bar, buf)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, head, 0], bar,
+                                        buf._reinterpret(buf.dtype, [buf.shape[0], 1, BLOCK_D], desc.layout))
+
+
+@gluon.jit
 def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse,
-              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SPARSE: gl.constexpr):
+              HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              SEGMENTS: gl.constexpr, SPARSE: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
     r = 0     # key tiles so far, counted alike in every partition
@@ -155,19 +167,17 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
                 # Both halves' last S GEMMs of the previous tile are done with Q (fresh: passes).
                 mbarrier.wait(q_empty, (tile & 1) ^ 1)
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready, q_bufs.index(0))
-                tma.async_copy_global_to_shared(q_desc, [q_row + HM, head * HEAD_DIM], q_ready, q_bufs.index(1))
+                _load_rows(q_desc, q_row, head, q_ready, q_bufs.index(0), HEAD_DIM, BLOCK_D)
+                _load_rows(q_desc, q_row + HM, head, q_ready, q_bufs.index(1), HEAD_DIM, BLOCK_D)
                 for i in range(n_first, n_tiles):
                     j = _key_tile(i, 0, LIST, SPARSE)
                     s = r % STAGES
                     mbarrier.wait(k_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, kv_head * HEAD_DIM], k_ready.index(s),
-                                                    k_bufs.index(s))
+                    _load_rows(k_desc, k_row + j * BN, kv_head, k_ready.index(s), k_bufs.index(s), HEAD_DIM, BLOCK_D)
                     mbarrier.wait(v_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [k_row + j * BN, kv_head * HEAD_DIM], v_ready.index(s),
-                                                    v_bufs.index(s))
+                    _load_rows(v_desc, k_row + j * BN, kv_head, v_ready.index(s), v_bufs.index(s), HEAD_DIM, BLOCK_D)
                     r += 1
                 tile += 1
 
@@ -251,7 +261,7 @@ def _no_scores(HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
 def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, k_bufs, v_bufs, q_ready, q_empty,
               k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, diag, window_left, qk_scale, QSEG_ROW, KSEG_ROW,
               cap_in, BIAS_ROW, bias_stride_s, bias_in, bias_ring, MASK_ROW, mask_stride_s, mask_ring, dropout,
-              HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              HALF: gl.constexpr, BLOCK_D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr, SEGMENTS: gl.constexpr,
               SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr,
               DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr, O_IN_Q: gl.constexpr):
@@ -270,7 +280,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     gl.static_assert(BN == 128 or not (HAS_BIAS or HAS_MASK), "BIAS_COPY_LAYOUT and MASK_COPY_LAYOUT span 128 keys")
     RING0: gl.constexpr = HALF
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
-    o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)  # O: [HM, D]
+    o_layout: gl.constexpr = mma_layout(HM, BLOCK_D, 4)   # O: [HM, D] (D padded to BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -295,7 +305,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     mask_rows = (mask_copy_rows, mask_stride_s)
     m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)
-    acc = gl.zeros([HM, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([HM, BLOCK_D], gl.float32, o_layout)
     mbarrier.wait(q_ready, tile & 1)
     count = n_tiles - n_first
     if count > 0:
@@ -412,7 +422,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
                  seg_stride_kb,
                  cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, DROPOUT_SEED,
-                 dropout_threshold, dropout_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 dropout_threshold, dropout_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr,
                  SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -420,7 +430,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                  SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr, O_IN_Q: gl.constexpr):
     HM: gl.constexpr = BM // 2
     SUBS: gl.constexpr = 2 if CAUSAL or SPARSE else 1
-    o_layout: gl.constexpr = mma_layout(HM, HEAD_DIM, 4)
+    o_layout: gl.constexpr = mma_layout(HM, BLOCK_D, 4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_bufs.dtype
     q_smem = q_bufs.index(HALF)
@@ -447,7 +457,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                 bias_head, bias_strides[2], bias_in,
                                                 bias_bufs, mask_head, mask_strides[2], mask_bufs,
                                                 (dropout_seed, batch * num_heads_q + head, dropout_threshold), HALF,
-                                                HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP,
+                                                BLOCK_D, BM, BN, STAGES, CAUSAL, WINDOW, EVEN_K, SEGMENTS, SOFTCAP,
                                                 HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES, O_IN_Q)
                 r += n_tiles - n_first
                 tile += 1
@@ -468,8 +478,12 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 o_smem.store(out.to(dtype))
                 fence_async_shared()
                 partition_barrier()
-                tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head * HEAD_DIM],
-                                                o_smem._reinterpret(dtype, [1, HM, HEAD_DIM], o_desc.layout))
+                if BLOCK_D == HEAD_DIM:
+                    tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head * HEAD_DIM],
+                                                    o_smem._reinterpret(dtype, [1, HM, HEAD_DIM], o_desc.layout))
+                else:   # (batch, seq, head, dim): the columns past HEAD_DIM are not written
+                    tma.async_copy_shared_to_global(o_desc, [batch, m0 + HALF * HM, head, 0],
+                                                    o_smem._reinterpret(dtype, [1, HM, 1, BLOCK_D], o_desc.layout))
                 if O_IN_Q:   # the store has read Q's buffer: the load warp may fetch the next item's Q
                     tma.store_wait(0)
                     mbarrier.arrive(q_empty, count=1)
@@ -490,8 +504,8 @@ def flash_fwd_gluon_kernel(
     softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     sparse_stride_b, sparse_stride_h, num_k_blocks, dropout_threshold, dropout_scale,
     OUT, LSE, DESC_SCRATCH,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
     NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
     SCORE_BUFS: gl.constexpr,
@@ -502,26 +516,40 @@ def flash_fwd_gluon_kernel(
     # where jax-triton launches keep the descriptors (jax_api/_scratch.py).  SPARSE (SPARSE_LISTS or
     # SPARSE_RUNS; 0: none): a block-sparse layout of BLOCK_M x BLOCK_N blocks (dualattn.SparseMask's
     # key-block lists, _fwd_item).  DROPOUT: DROPOUT_SEED holds the seed (int32, shape (1,)), and an entry is
-    # dropped where rules.dropout_keep says (the hash every kernel and the mask kernel apply).
+    # dropped where rules.dropout_keep says (the hash every kernel and the mask kernel apply).  BLOCK_D: the
+    # tiles' width, HEAD_DIM padded to a power of two; where it is wider (D = 96, 192) the descriptors are
+    # (rows, heads, dims), which TMA fills past HEAD_DIM with zeros on loads and clips on the store.
     dtype: gl.constexpr = Q.dtype.element_ty
     HM: gl.constexpr = BLOCK_M // 2
     MASK = mask_as_int8(MASK)   # (a bool mask's bytes)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HM, HEAD_DIM], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     num_heads_kv = num_heads_q // GROUP_SIZE
-    q_desc = tma.make_tensor_descriptor(Q, [batch * seqlen_q, num_heads_q * HEAD_DIM], [stride_qs, 1],
-                                        [HM, HEAD_DIM], q_layout)
-    k_desc = tma.make_tensor_descriptor(K, [batch * seqlen_k, num_heads_kv * HEAD_DIM], [stride_ks, 1],
-                                        [BLOCK_N, HEAD_DIM], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, [batch * seqlen_k, num_heads_kv * HEAD_DIM], [stride_vs, 1],
-                                        [BLOCK_N, HEAD_DIM], kv_layout)
-
-    o_desc = tma.make_tensor_descriptor(OUT, [batch, seqlen_q, num_heads_q * HEAD_DIM], [stride_ob, stride_os, 1],
-                                        [1, HM, HEAD_DIM], o_layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    if BLOCK_D == HEAD_DIM:
+        o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HM, HEAD_DIM], dtype)
+        q_desc = tma.make_tensor_descriptor(Q, [batch * seqlen_q, num_heads_q * HEAD_DIM], [stride_qs, 1],
+                                            [HM, HEAD_DIM], q_layout)
+        k_desc = tma.make_tensor_descriptor(K, [batch * seqlen_k, num_heads_kv * HEAD_DIM], [stride_ks, 1],
+                                            [BLOCK_N, HEAD_DIM], kv_layout)
+        v_desc = tma.make_tensor_descriptor(V, [batch * seqlen_k, num_heads_kv * HEAD_DIM], [stride_vs, 1],
+                                            [BLOCK_N, HEAD_DIM], kv_layout)
+        o_desc = tma.make_tensor_descriptor(OUT, [batch, seqlen_q, num_heads_q * HEAD_DIM],
+                                            [stride_ob, stride_os, 1], [1, HM, HEAD_DIM], o_layout)
+    else:
+        q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, 1, BLOCK_D], dtype)
+        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, BLOCK_D], dtype)
+        o4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HM, 1, BLOCK_D], dtype)
+        q_desc = tma.make_tensor_descriptor(Q, [batch * seqlen_q, num_heads_q, HEAD_DIM], [stride_qs, HEAD_DIM, 1],
+                                            [HM, 1, BLOCK_D], q3_layout)
+        k_desc = tma.make_tensor_descriptor(K, [batch * seqlen_k, num_heads_kv, HEAD_DIM], [stride_ks, HEAD_DIM, 1],
+                                            [BLOCK_N, 1, BLOCK_D], kv3_layout)
+        v_desc = tma.make_tensor_descriptor(V, [batch * seqlen_k, num_heads_kv, HEAD_DIM], [stride_vs, HEAD_DIM, 1],
+                                            [BLOCK_N, 1, BLOCK_D], kv3_layout)
+        o_desc = tma.make_tensor_descriptor(OUT, [batch, seqlen_q, num_heads_q, HEAD_DIM],
+                                            [stride_ob, stride_os, HEAD_DIM, 1], [1, HM, 1, BLOCK_D], o4_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [2, HM, BLOCK_D], q_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -556,17 +584,17 @@ def flash_fwd_gluon_kernel(
         128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
     # O_SCORES: a 16-bit bias whose tiles are O's size (D = 128) holds its second tiles in O's staging buffers,
     # idle through the key loop, so that two fit (hopper.gluon_score_buffers).
-    O_SCORES: gl.constexpr = (HAS_BIAS and SCORE_BUFS == 2 and HEAD_DIM == BLOCK_N
+    O_SCORES: gl.constexpr = (HAS_BIAS and SCORE_BUFS == 2 and BLOCK_D == BLOCK_N
                               and bias_ty.primitive_bitwidth == 16)
     # O_IN_Q: at D = 256 Q, two stages of K and V and O's own buffers would take 256 KB; O is staged in Q's
     # buffers instead, and the next item's Q waits for O's store (hopper.GLUON_FWD_TILES).
-    O_IN_Q: gl.constexpr = HEAD_DIM > 128
+    O_IN_Q: gl.constexpr = BLOCK_D > 128
     if O_SCORES:
-        o_bufs = bias_bufs._reinterpret(dtype, [2 * SCORE_BUFS, HM, HEAD_DIM], q_layout)
+        o_bufs = bias_bufs._reinterpret(dtype, [2 * SCORE_BUFS, HM, BLOCK_D], q_layout)
     elif O_IN_Q:
         o_bufs = q_bufs
     else:
-        o_bufs = gl.allocate_shared_memory(dtype, [2, HM, HEAD_DIM], q_layout)
+        o_bufs = gl.allocate_shared_memory(dtype, [2, HM, BLOCK_D], q_layout)
     mask_bufs = gl.allocate_shared_memory(mask_ty, mask_tile, gl.SwizzledSharedLayout(
         128 // mask_ty.primitive_bitwidth, 1, 8, [1, 0]))
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_s)
@@ -578,7 +606,7 @@ def flash_fwd_gluon_kernel(
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 0,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
+                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
                         SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES,
                         O_IN_Q)),
         (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
@@ -586,11 +614,11 @@ def flash_fwd_gluon_kernel(
                         seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
                         seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
                         mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 1,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
+                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
                         SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES,
                         O_IN_Q)),
         (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
-                     SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,
+                     SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,
                      SEGMENTS, SPARSE)),
     ], [4, 1], [240, 24])

@@ -302,6 +302,18 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
 # D=64 gained nothing.)  D=256: Q (64 KB) and two stages of 64-key K and V tiles (128 KB), O staged in Q's buffers
 # (forward_gluon's O_IN_Q); a warpgroup holds O in 128 registers a thread and S in 32.
 GLUON_FWD_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
+
+
+def gluon_forward_width(head_dim: int) -> Optional[int]:
+    """The Gluon forward's tile width (BLOCK_D) for a head dim, or None: the dim itself where GLUON_FWD_TILES has
+    it; for other multiples of 16 from 80 to 240 (96, 192; the strides _use_tma takes) the next power of two,
+    whose columns past the head dim TMA fills with zeros (forward_gluon: descriptors of (rows, heads, dims))."""
+    if head_dim in GLUON_FWD_TILES:
+        return head_dim
+    width = 1 << (head_dim - 1).bit_length()
+    return width if head_dim % 16 == 0 and 64 < head_dim and width in GLUON_FWD_TILES else None
+
+
 GLUON_FWD_WARPS = 4
 # Its bias and mask tiles each compute warpgroup keeps in flight (forward_gluon._fwd_tile): two where they fit, so
 # that a key tile's copy is issued a whole key tile before its softmax reads it, not one S GEMM before.  What fits
@@ -328,8 +340,9 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
                   flag: Optional[str] = None) -> bool:
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
-    What the warp-specialised kernels need (_warp_specializable), head dims of 64, 128 or 256
-    (equal for K and V; 256 without a bias, mask or block-sparse layout), a window only as causal or
+    What the warp-specialised kernels need (_warp_specializable), head dims of 64, 128 or 256 and those
+    gluon_forward_width pads (equal for K and V; other than 64 and 128 without a bias, mask or block-sparse
+    layout), a window only as causal or
     causal with a left side (sliding windows: Mistral, GPT-OSS), sinks of any count (joined after the
     loop), segment ids (packed documents, not varlen: _warp_specializable), the soft cap (the Triton
     kernels' tanh, softcap_mode), a bias and an attention mask (any broadcast over batch and heads),
@@ -337,10 +350,13 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  A block-sparse layout whose blocks are the kernel's tiles (sparse_on_gluon_tiles): each
     query tile walks its list of key blocks.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
-    if flag == "0" or shapes.head_dim not in GLUON_FWD_TILES or shapes.head_dim_v != shapes.head_dim:
+    width = gluon_forward_width(shapes.head_dim)
+    if flag == "0" or width is None or shapes.head_dim_v != shapes.head_dim:
         return False
-    # D = 256 runs 64-key tiles: the bias and mask copies span 128 keys, block-sparse blocks are 128 x 128 tiles
-    if GLUON_FWD_TILES[shapes.head_dim][1] != 128 and (shapes.has_bias or shapes.has_mask or sparse is not None):
+    # Only the tiles they were written for take a bias, a mask (copies span 128 keys, O_SCORES is a tile of D = 128)
+    # and block-sparse layouts (128 x 128 tiles): not D = 256's 64-key tiles, nor padded head dims.
+    if (GLUON_FWD_TILES[width][1] != 128 or width != shapes.head_dim) and (
+            shapes.has_bias or shapes.has_mask or sparse is not None):
         return False
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False

@@ -20,10 +20,10 @@ from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_stride
 from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILES, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
-                     gluon_allowed, gluon_forward, gluon_score_buffers, one_pass_backward, one_pass_persistent,
-                     persistent_backward, persistent_forward, short_window_backward, short_window_forward, split_band,
-                     split_band_pays, tma_requested, warp_specialize_requested, warp_specialized_backward,
-                     warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
+                     gluon_allowed, gluon_forward, gluon_forward_width, gluon_score_buffers, one_pass_backward,
+                     one_pass_persistent, persistent_backward, persistent_forward, short_window_backward,
+                     short_window_forward, split_band, split_band_pays, tma_requested, warp_specialize_requested,
+                     warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
 from . import rules
 from .segments import RANGE_FIELDS
 from .tiles import (SHORT_SEQ_BUCKETS, TUNED, TUNED_FILE_ENV, FlashConfig, SparseInfo, TileConfig,  # noqa: F401
@@ -231,7 +231,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
     causal or block-sparse, a pair of them); with segment ids, after the launch of its tiles' segment ranges.
     Block-sparse: the layout's lists (its blocks are the tiles: hopper.sparse_on_gluon_tiles)."""
-    block_m, block_n, stages = GLUON_FWD_TILES[shapes.head_dim]
+    block_d = gluon_forward_width(shapes.head_dim)
+    block_m, block_n, stages = GLUON_FWD_TILES[block_d]
     causal = options.window_right == 0   # (gluon_forward: a window_left only with it)
     q_tiles = cdiv(shapes.seqlen_q, block_m)
     num_work = shapes.batch * shapes.heads_q * (cdiv(q_tiles, 2) if causal or sparse is not None else q_tiles)
@@ -254,7 +255,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
                                          "num_k_blocks", "dropout_threshold", "dropout_scale")),
         outputs=(Output("out", out_shape(shapes), "like:query"), Output("lse", _lse_shape(shapes), "float32"),
                  desc_scratch(grid, True)),
-        constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
+        constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_D", block_d), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
+                    ("STAGES", stages),
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
                     ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
