@@ -323,6 +323,36 @@ def test_gpu_gluon_forward(case, monkeypatch, seed):
     assert kernels == [GLUON_FWD], kernels
 
 
+def _wide_head_case(seed: int) -> dict:
+    """A random case for the Gluon forward's wide and padded head dims (hopper.gluon_forward_width): any
+    multiple of 16 from 80 to 256, GQA, ragged lengths (Sq a multiple of 4 from 128: the Gluon kernels' lse
+    rows), causal or not, a causal window, the soft cap and sinks at random."""
+    import random
+    rng = random.Random(seed)
+    d = rng.choice([80, 96, 112, 144, 160, 176, 192, 208, 224, 240, 256])
+    hq, hkv = rng.choice([(2, 1), (4, 2), (4, 4), (6, 2), (8, 1)])
+    opts = {"causal": rng.random() < 0.6}
+    if opts["causal"] and rng.random() < 0.4:
+        opts = {"sliding_window": (rng.randrange(16, 700), 0)}
+    if rng.random() < 0.4:
+        opts["logits_soft_cap"] = rng.choice([5.0, 20.0, 50.0])
+    return dict(b=rng.choice([1, 2]), sq=4 * rng.randrange(32, 300), sk=rng.randrange(100, 1300), hq=hq, hkv=hkv,
+                d=d, opts=opts, sinks=rng.random() < 0.3, dtype=rng.choice([torch.bfloat16, torch.float16]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draw", range(16))
+def test_gpu_gluon_forward_wide_heads_at_random(monkeypatch, seed, draw):
+    """Random wide and padded head-dim cases (_wide_head_case) on the Gluon forward against the float64
+    reference, forward and backward (the portable backward); the plan took the Gluon forward."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    kernels = spy_kernels(monkeypatch, "plan_forward")
+    case = _wide_head_case(seed + draw)
+    check_gpu_case(monkeypatch, case, seed, {})
+    assert kernels == [GLUON_FWD], (case, kernels)
+
+
 SHORT_WINDOW_GPU_CASES = {
     # GPT-OSS's sliding layers: window 128 with a sink per head, GQA; ragged lengths, more keys than queries
     "d64-window128-sinks-gqa": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=64, opts=dict(sliding_window=(127, 0)),
