@@ -398,7 +398,7 @@ def test_gpu_options_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, opti
                          ids=["d256", "d256-gemma", "d192", "d96-softcap"])
 def test_gpu_wide_heads_on_the_gluon_forward_are_the_same_in_both(monkeypatch, d, options):
     """D = 256 on the Gluon forward (64-key tiles, O staged in Q's buffers), 192 and 96 padded to its tiles,
-    with the portable two-pass backward: the same out, dQ, dK and dV bits in both frameworks."""
+    with a two-pass backward: the same out, dQ, dK and dV bits in both frameworks."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward runs on sm_90 only")
     from plan_spy import spy_kernels

@@ -82,7 +82,7 @@ GPU_CASES = {
     "d64-causal-documents": (2, 1024, 1024, 4, 2, 64, dict(causal=True, documents=True), 0.15),
     # (at D = 128 a bias and a mask do not both fit beside the Gluon forward's tiles: fit.forward)
     "d64-bias-mask": (1, 1024, 1024, 4, 4, 64, dict(bias=True, mask=True), 0.25),
-    # D = 256: the Gluon forward, the portable backward (the one-pass kernel stops at D = 128)
+    # D = 256: the Gluon forward, the two-pass backward (the one-pass kernel stops at D = 128)
     "d256-causal-documents": (1, 1024, 1024, 4, 2, 256, dict(causal=True, documents=True), 0.2),
 }
 

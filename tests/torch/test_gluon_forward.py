@@ -135,6 +135,23 @@ def test_plan_takes_the_gluon_forward_at_d256():
         assert _plan(d=256, sq=4096, sk=4096, **extra).kernel == "flash_fwd_kernel", extra
 
 
+def test_gluon_forward_width():
+    """The tiles' width for each head dim: 64, 128 and 256 as they are, other multiples of 16 from 80 to 240 the
+    next power of two; none below 64 or above 256, nor for dims whose rows TMA cannot take."""
+    from dualattn.kernels.flash.hopper import gluon_forward_width
+    assert [gluon_forward_width(d) for d in (64, 80, 96, 112, 128, 144, 192, 240, 256)] == \
+        [64, 128, 128, 128, 128, 256, 256, 256, 256]
+    assert [gluon_forward_width(d) for d in (16, 32, 48, 72, 100, 136, 272, 288, 512)] == [None] * 9
+
+
+def test_plan_keys_the_short_window_rule_by_the_gluon_width():
+    """D = 96 runs D = 128's tiles, so its short causal windows take D = 128's rule (the portable forward up to
+    128 keys), as D = 128 does; longer ones the Gluon forward."""
+    for d in (96, 128):
+        assert _plan(d=d, sliding_window=(127, 0), sq=2048, sk=2048).kernel == "flash_fwd_kernel", d
+        assert _plan(d=d, sliding_window=(500, 0), sq=2048, sk=2048).kernel == GLUON_FWD, d
+
+
 @pytest.mark.parametrize("d, width", [(96, 128), (80, 128), (192, 256), (144, 256)])
 def test_plan_pads_other_head_dims_on_the_gluon_forward(d, width):
     """Head dims between the tiles' widths (96, 192: multiples of 16) run the tiles of the next power of two
@@ -344,7 +361,7 @@ def _wide_head_case(seed: int) -> dict:
 @pytest.mark.parametrize("draw", range(16))
 def test_gpu_gluon_forward_wide_heads_at_random(monkeypatch, seed, draw):
     """Random wide and padded head-dim cases (_wide_head_case) on the Gluon forward against the float64
-    reference, forward and backward (the portable backward); the plan took the Gluon forward."""
+    reference, forward and backward (a two-pass backward); the plan took the Gluon forward."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     kernels = spy_kernels(monkeypatch, "plan_forward")

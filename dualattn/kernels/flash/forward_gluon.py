@@ -164,7 +164,8 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
             if valid:
                 q_row = batch * seqlen_q + m0
                 k_row = batch * seqlen_k
-                # Both halves' last S GEMMs of the previous tile are done with Q (fresh: passes).
+                # Both halves' last S GEMMs of the previous tile are done with Q (O_IN_Q: both O stores have
+                # read it; fresh: passes).
                 mbarrier.wait(q_empty, (tile & 1) ^ 1)
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
                 _load_rows(q_desc, q_row, head, q_ready, q_bufs.index(0), HEAD_DIM, BLOCK_D)
@@ -486,6 +487,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                                                     o_smem._reinterpret(dtype, [1, HM, 1, BLOCK_D], o_desc.layout))
                 if O_IN_Q:   # the store has read Q's buffer: the load warp may fetch the next item's Q
                     tma.store_wait(0)
+                    partition_barrier()   # every warp's part of the store (one thread arrives)
                     mbarrier.arrive(q_empty, count=1)
                 lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
                 if NUM_SINKS > 0:

@@ -43,8 +43,8 @@ def gluon_allowed(arch: Optional[int], warp_specialize: bool) -> bool:
 def _use_tma(requested: bool, shapes: FlashShapes, constexprs, max_width: int = 128) -> bool:
     """TMA tile loads (rules.row_tiles) where the launcher asked for them and a descriptor is
     legal: 16-byte aligned rows and head offsets (every stride a multiple of 16 elements; the
-    launcher checks the base pointers) and tiles at most `max_width` wide (ptxas 3.6 crashes on
-    the Triton kernels' 256-wide TMA tiles, checked offline for sm_90; the Gluon forward's compile)."""
+    launcher checks the base pointers) and tiles at most `max_width` wide: 128 for the Triton kernels, whose
+    256-wide TMA tiles crash ptxas 3.6 (checked offline for sm_90); the Gluon forward passes 256."""
     const = dict(constexprs)
     return bool(requested) and const["STRIDES_ALIGNED"] and max(const["BLOCK_D"], const["BLOCK_DV"]) <= max_width
 
@@ -389,25 +389,27 @@ SHORT_WINDOW_KEYS = {64: 1024, 128: 128}
 SHORT_WINDOW_BWD_KEYS = {64: 512, 128: 512}
 
 
-def _short_window(shapes: FlashShapes, options: FlashOptions, constexprs, keys_by_head_dim) -> bool:
+def _short_window(shapes: FlashShapes, options: FlashOptions, constexprs, keys_by_head_dim, width: int) -> bool:
     const = dict(constexprs)
     keys = causal_window_keys(options)
     return (keys is not None and shapes.head_dim == shapes.head_dim_v
-            and keys <= keys_by_head_dim.get(shapes.head_dim, 0) and not const["SOFTCAP"]
+            and keys <= keys_by_head_dim.get(width, 0) and not const["SOFTCAP"]
             and not any(const[f] for f in ("HAS_BIAS", "HAS_MASK", "HAS_SEGMENTS", "HAS_DROPOUT", "HAS_POSITIONS")))
 
 
 def short_window_forward(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
     """Whether the forward runs a causal sliding window of at most SHORT_WINDOW_KEYS[head dim] keys on the
     portable kernel.  Only with the options it was measured with (sinks, GQA): a bias, mask, segment ids,
-    dropout or soft cap keep the Hopper kernels' rules."""
-    return _short_window(shapes, options, constexprs, SHORT_WINDOW_KEYS)
+    dropout or soft cap keep the Hopper kernels' rules.  A head dim the Gluon forward pads (96) takes the rule
+    of its tiles' width (gluon_forward_width)."""
+    return _short_window(shapes, options, constexprs, SHORT_WINDOW_KEYS,
+                         gluon_forward_width(shapes.head_dim) or shapes.head_dim)
 
 
 def short_window_backward(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:
     """Whether the backward runs a causal sliding window of at most SHORT_WINDOW_BWD_KEYS[head dim] keys on the
     portable two-pass kernels; the same options as short_window_forward."""
-    return _short_window(shapes, options, constexprs, SHORT_WINDOW_BWD_KEYS)
+    return _short_window(shapes, options, constexprs, SHORT_WINDOW_BWD_KEYS, shapes.head_dim)
 
 
 def sparse_on_gluon_tiles(sparse: Optional[SparseInfo]) -> bool:

@@ -380,8 +380,9 @@ def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, 
         return None
     # Below D = 128 the varlen forward is as fast as the Gluon one plus the two launches that make the
     # ids and ranges (H200, 8 x 2048 causal, D = 64: 306 varlen against 280 TFLOP/s; at D = 128 it is
-    # 334 against 383: benchmarks/NOTES.md 'Varlen with one table as documents').
-    if shapes.head_dim < 128 and flag != "1":
+    # 334 against 383: benchmarks/NOTES.md 'Varlen with one table as documents').  Wider heads, which the
+    # Gluon forward also takes, were not measured here: they keep the varlen kernels.
+    if shapes.head_dim != 128 and flag != "1":
         return None
     total = shapes.total_q
     dense = dataclasses.replace(shapes, batch=1, seqlen_q=total, seqlen_k=total, varlen=False, total_q=0,
