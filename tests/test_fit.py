@@ -43,7 +43,8 @@ def _fitted(variant, arch):
     if variant.dropout:
         dtypes["dropout_seed"] = "int32"
     kw = dict(config=config, arch=arch, max_shared=fit.MAX_SHARED_BYTES[arch], dtypes=dtypes,
-              warp_specialize=variant.ws and arch == 90, num_sms=132 if variant.ws else 0)
+              warp_specialize=variant.ws and arch == 90, num_sms=132 if variant.ws else 0,
+              gluon=variant.ws and arch == 90)
     fwd = fit.forward(shapes, options, strides, **kw)
     dtypes = {**dtypes, "out": variant.dtype, "dout": variant.dtype, "lse": "float32", "dlse": "float32"}
     bwd = fit.backward(shapes, options, strides, lse_grad=variant.lse_grad, **{**kw, "dtypes": dtypes})
