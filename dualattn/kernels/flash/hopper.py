@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 from ... import switches
 from ...options import FlashOptions
 from ...validation import FlashShapes
-from ..launch import cdiv
+from ..launch import cdiv, next_pow2
 from .tiles import SparseInfo, TileConfig, causal_window_keys
 
 def tma_requested() -> bool:
@@ -310,7 +310,7 @@ def gluon_forward_width(head_dim: int) -> Optional[int]:
     whose columns past the head dim TMA fills with zeros (forward_gluon: descriptors of (rows, heads, dims))."""
     if head_dim in GLUON_FWD_TILES:
         return head_dim
-    width = 1 << (head_dim - 1).bit_length()
+    width = next_pow2(head_dim)
     return width if head_dim % 16 == 0 and 64 < head_dim and width in GLUON_FWD_TILES else None
 
 
