@@ -79,9 +79,24 @@ def test_plan_takes_the_one_pass_backward_where_it_applies():
     assert causal.dkdv.grid == (10, 4, 1) and not const["PERSISTENT"]
 
 
+def test_plan_takes_the_wide_one_pass_backward_at_d256():
+    """D = 256: 64 x 64 tiles, two stages whose buffers also stage dQ (DQ_BUFS = STAGES, one dS^T buffer);
+    causal persistent items are pairs of key tiles as at D = 128."""
+    plan = _plan(d=256, causal=True, hq=8, hkv=2)
+    const = plan.dkdv.constexpr_dict
+    assert plan.dkdv.kernel == ONE_PASS and const["HEAD_DIM"] == 256
+    tile = tuple(const[n] for n in ("BLOCK_M", "BLOCK_N", "STAGES", "DQ_BUFS", "DS_BUFS"))
+    assert tile == (64, 64, 2, 2, 1)
+    assert const["PERSISTENT"] and dict(plan.dkdv.scalars)["num_work"] == 2 * 2 * (1024 // 64) // 2
+    # the speed rule holds as at D = 128: from ONE_PASS_MIN_KEYS keys
+    assert _plan(d=256, sq=4096, sk=4096).dkdv.kernel == ONE_PASS
+
+
 @pytest.mark.parametrize("why, kwargs", [
     ("no Gluon launcher (JAX, CPU)", dict(gluon=False)),
     ("head dim 96", dict(d=96)),
+    ("head dim 256 with a mask (no score tiles at 64 keys)", dict(d=256, mask=True)),
+    ("head dim 256 with a bias", dict(d=256, bias=True)),
     ("fp32", dict(dtype="float32")),
     ("window with a right side", dict(sliding_window=(256, 256))),
     ("left window, not causal", dict(sliding_window=(256, None))),
@@ -207,7 +222,8 @@ def test_fit_keeps_the_one_pass_backward_where_the_score_tiles_fit(d, extra, one
     (128, False, 4, 4, "bfloat16", 1024, None), (128, True, 8, 2, "bfloat16", 1024, None),
     (64, False, 8, 2, "float16", 1024, None), (64, True, 4, 4, "bfloat16", 1024, None),
     (128, True, 4, 2, "bfloat16", 1000, None), (64, False, 4, 4, "bfloat16", 1000, None),
-    (128, False, 4, 2, "bfloat16", 1024, (300, 0))])
+    (128, False, 4, 2, "bfloat16", 1024, (300, 0)), (256, True, 4, 2, "bfloat16", 1024, None),
+    (256, False, 4, 4, "float16", 1000, (300, 0))])
 def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq, window):
     """The Gluon kernel (persistent; per work item where Sq = 1000) and the dQ cast compile for
     sm_90 (GluonASTSource); the two worker warps take one more warpgroup next to the 8 compute warps
@@ -374,6 +390,14 @@ GPU_CASES = {
     "d64-softcap-ragged": dict(b=2, sq=1000, sk=1100, hq=4, hkv=2, d=64, opts=dict(logits_soft_cap=5.0)),
     "d128-window-softcap-sinks": dict(b=1, sq=2048, sk=2048, hq=4, hkv=2, d=128, sinks=True,
                                       opts=dict(sliding_window=(300, 0), logits_soft_cap=20.0)),
+    # D = 256 (WIDE: 64-key tiles, the warpgroups on halves of the columns, dQ staged in the Q / dO stages)
+    "d256": dict(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=256, opts={}),
+    "d256-causal-gqa-sinks-ragged": dict(b=1, sq=1000, sk=1100, hq=6, hkv=2, d=256, opts=dict(causal=True),
+                                         sinks=True),
+    "d256-causal-gqa-7-programs": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=256, opts=dict(causal=True),
+                                       num_sms="7", persistent="1"),
+    "d256-window-softcap-fp16": dict(b=1, sq=2048, sk=2048, hq=4, hkv=2, d=256, dtype=torch.float16,
+                                     opts=dict(sliding_window=(300, 0), logits_soft_cap=20.0)),
     **WINDOW_CASES,
 }
 
@@ -510,7 +534,8 @@ DOCUMENTS = {
     (128, "tile-aligned", True, None), (128, "tile-aligned", False, None), (128, "ragged", True, None),
     (128, "ragged", False, None), (128, "repeated-id", True, None), (128, "repeated-id", False, None),
     (128, "wide-int64", True, "7"), (64, "ragged", True, None), (64, "ragged", False, "7"), (64, "cross", False, None),
-    (128, "cross", True, None), (128, "query-padding-minus-one", False, None)])
+    (128, "cross", True, None), (128, "query-padding-minus-one", False, None), (256, "ragged", True, None),
+    (256, "repeated-id", False, "7")])
 def test_gpu_one_pass_documents(monkeypatch, seed, d, docs, causal, programs):
     """Segment ids on the one-pass backward: each key tile visits the query tiles sharing an id with
     it (its segment ranges), compares ids outside its one-id run.  Documents aligned to the tiles or

@@ -24,6 +24,9 @@ in Gluon"):
     again after the dQ_i store, which frees dS^T's buffer; DS_BUFS = 2: dS^T alternates between two
     buffers and dQ_i goes to the dQ warp at the next tile's meeting (faster at D=64, slower at D=128:
     plan.ONE_PASS_TILES).
+  * D = 256 (WIDE): dK and dV of 64 keys per warpgroup would take 256 registers a thread, so a program owns
+    64 keys and each warpgroup half of dK's, dV's and dQ_i's columns (and of S^T's and dP^T's query columns);
+    P^T and dS^T meet in shared memory, and dQ_i is staged in the ring stage's own Q_i / dO_i buffers (_tile).
 
 One program owns key tile `pid_n` of one KV head of one batch and loops over the query heads of its
 GQA group (whose columns are adjacent: stride_qh == head dim) and their query tiles.  Rows past the
@@ -211,12 +214,28 @@ def _query_tile(j, first, LIST, BM: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr, 
 
 
 @gluon.jit
+def _stage_tile(q_bufs, do_bufs, s, DO: gl.constexpr, dtype: gl.constexpr, BM: gl.constexpr,
+                HEAD_DIM: gl.constexpr, WIDE: gl.constexpr):
+    """Q_i (DO false) or dO_i (DO true) of ring stage s.  WIDE: a half of the stage's fp32 [BM, D] buffer,
+    which then stages the tile's dQ_i (_tile), so q_bufs is that buffer (do_bufs too)."""
+    if WIDE:
+        pair = q_bufs.index(s)._reinterpret(dtype, [2, BM, HEAD_DIM],
+                                            gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], dtype))
+        return pair.index(1 if DO else 0)
+    elif DO:
+        return do_bufs.index(s)
+    else:
+        return q_bufs.index(s)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
                     seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
                     SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr):
+    WIDE: gl.constexpr = HEAD_DIM > 128
     r = 0  # ring position: tiles so far, counted alike in every partition
     for i in range(_item_count(w_first, w_end, w_step, PERSISTENT and (CAUSAL or SPARSE_BLOCK_Q > 0))):
         _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _, sparse_row = _work_item(
@@ -235,14 +254,17 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
                 s = r % STAGES
                 mbarrier.wait(qdo_empty.index(s), ((r // STAGES) & 1) ^ 1)
                 m0 = _query_tile(j, first, LIST, BM, SPARSE_BLOCK_Q, SPARSE_RUNS) * BM
-                # lse rides with Q (needed for P), delta with dO (needed for dS)
+                # lse rides with Q (needed for P), delta with dO (needed for dS).  (Not WIDE, the buffers are
+                # indexed in place: a helper call here reorders the D <= 128 kernels' SASS.)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
-                                                q_bufs.index(s))
+                                                _stage_tile(q_bufs, do_bufs, s, False, k_smem.dtype, BM, HEAD_DIM, WIDE)
+                                                if WIDE else q_bufs.index(s))
                 tma.async_copy_global_to_shared(lse_desc, [lse_row + g, m0], q_ready.index(s), lse_bufs.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(do_desc, [q_row + m0, q_col + g * HEAD_DIM], do_ready.index(s),
-                                                do_bufs.index(s))
+                                                _stage_tile(q_bufs, do_bufs, s, True, k_smem.dtype, BM, HEAD_DIM, WIDE)
+                                                if WIDE else do_bufs.index(s))
                 tma.async_copy_global_to_shared(delta_desc, [lse_row + g, m0], do_ready.index(s),
                                                 delta_bufs.index(s))
                 r += 1
@@ -312,7 +334,14 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     DROPOUT: `dropout` = (seed, batch * Hq + query head, threshold, 1 / (1 - p)): dV takes the kept
     probabilities (rules.dropout_keep, the forward's hash; the caller scales dV by 1 / (1 - p)), and
     dS = P (dP - delta) takes dP only where kept, times 1 / (1 - p).  Which entries are kept rides in
-    P^T's sign bit from the dV GEMM to dS (P >= 0), so no mask tile stays live across the dP^T wait."""
+    P^T's sign bit from the dV GEMM to dS (P >= 0), so no mask tile stays live across the dP^T wait.
+    WIDE (D > 128: 64 keys, two warpgroups on each half of dK's, dV's and dQ_i's columns): each warpgroup
+    computes half of S^T's and dP^T's query columns, so dS^T and P^T go to shared memory (ds_smem's two
+    buffers) and the three GEMMs read them from there once both halves are in.  The tile ends with every GEMM
+    done in both warpgroups: dQ_i, scaled, is then staged in the stage's own buffer (dq_bufs is q_bufs:
+    _stage_tile), and the dQ warp gives the stage back to the load warp after its reduce-add (dq_empty is
+    qdo_empty).  At D = 256 the fp32 dQ_i tile (64 KB) fits nowhere else beside K, V and two stages."""
+    WIDE: gl.constexpr = HEAD_DIM > 128
     s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(BN, HEAD_DIM, NUM_WARPS),
                                                  k_width=2)
@@ -321,8 +350,8 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     dtype: gl.constexpr = k_smem.dtype
     s = r % STAGES
     ph = (r // STAGES) & 1
-    q_buf = q_bufs.index(s)
-    do_buf = do_bufs.index(s)
+    q_buf = _stage_tile(q_bufs, do_bufs, s, False, dtype, BM, HEAD_DIM, WIDE)
+    do_buf = _stage_tile(q_bufs, do_bufs, s, True, dtype, BM, HEAD_DIM, WIDE)
 
     if HAS_BIAS or HAS_MASK:   # (every warp read the previous tile's before that tile's barrier)
         _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, mask_stride_s, m0, n0,
@@ -367,11 +396,15 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
         pt16 = gl.maximum(pt, 0.0).to(dtype)
     else:
         pt16 = pt.to(dtype)
-    dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
+    if WIDE:
+        pt_buf = ds_smem.index(1)
+        pt_buf.store(pt16)
+    else:
+        dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_buf, dv, is_async=True)
     if SOFTCAP != 0:   # dS = P (dP - delta) (1 - T^2): T's registers are free once this is folded in
         pt = pt * (1.0 - tt * tt)
     delta = delta_bufs.index(s)._reinterpret(gl.float32, [BM], vec_layout).load(col_layout)
-    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    dpt = warpgroup_mma_wait(num_outstanding=0 if WIDE else 1, deps=(dpt, ))
     if DROPOUT:   # (a dropped entry of P = 0 is -0.0: its dS is 0 whichever dP it takes)
         dst16 = (gl.abs(pt) * (gl.where(pt < 0.0, 0.0, dpt * dropout[3]) - gl.expand_dims(delta, 0))).to(dtype)
     else:
@@ -380,22 +413,33 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     ds_buf.store(dst16)
     fence_async_shared()
     partition_barrier()  # both warpgroups' halves of dS^T are in shared memory before either reads it all
-    # Both warpgroups are past their S wait, so the previous tile's dK GEMM (its Q's last reader) is done.
-    mbarrier.arrive(qdo_empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
-    if DS_BUFS == 2:
-        # ... and past the previous tile's dQ store: hand that to the dQ warp.
-        mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
-    dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_buf, dk, is_async=True)
-    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))  # dK stays in flight
+    if WIDE:   # (the previous tile's GEMMs, which read P^T's and dS^T's buffers, ended before its last barrier)
+        dv = warpgroup_mma(pt_buf, do_buf, dv, is_async=True)
+        dk = warpgroup_mma(ds_buf, q_buf, dk, is_async=True)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        partition_barrier()   # every GEMM of the tile has read Q_i and dO_i: their buffer takes dQ_i
+        dq_bufs.index(s).store(dq * sm_scale)
+        fence_async_shared()
+        partition_barrier()
+        mbarrier.arrive(dq_ready.index(s), count=1)
+    else:
+        # Both warpgroups are past their S wait, so the previous tile's dK GEMM (its Q's last reader) is done.
+        mbarrier.arrive(qdo_empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
+        if DS_BUFS == 2:
+            # ... and past the previous tile's dQ store: hand that to the dQ warp.
+            mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_buf, dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))  # dK stays in flight
 
-    b = r % DQ_BUFS
-    mbarrier.wait(dq_empty.index(b), ((r // DQ_BUFS) & 1) ^ 1)
-    dq_bufs.index(b).store(dq * sm_scale)
-    fence_async_shared()
-    if DS_BUFS == 1:
-        partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
-        mbarrier.arrive(dq_ready.index(b), count=1)
+        b = r % DQ_BUFS
+        mbarrier.wait(dq_empty.index(b), ((r // DQ_BUFS) & 1) ^ 1)
+        dq_bufs.index(b).store(dq * sm_scale)
+        fence_async_shared()
+        if DS_BUFS == 1:
+            partition_barrier()  # every warp's dQ GEMM of this tile is done: dS^T's buffer (and K) are free
+            mbarrier.arrive(dq_ready.index(b), count=1)
     return dk, dv
 
 
@@ -432,7 +476,10 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
             k_ids = gl.load(KSEG + batch.to(gl.int64) * seg_stride_kb + keys, mask=keys < seqlen_k, other=-1)
             qseg_row = QSEG + batch.to(gl.int64) * seg_stride_qb
-        dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
+        if HEAD_DIM > 128:   # (WIDE: every tile retires its dK GEMM, _tile)
+            dk = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
+        else:
+            dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
         dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
         r_first = r
         mbarrier.wait(kv_ready, i & 1)
@@ -500,7 +547,8 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
         # Every read of K and V is done (the last tile's barrier): the load warp may refill them.
         mbarrier.arrive(kv_empty, count=1)
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+        if HEAD_DIM <= 128:
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
         in_bounds = gl.expand_dims(n0 + rows < seqlen_k, 1) & (cols < HEAD_DIM)
         key_rows = gl.expand_dims((n0 + rows).to(gl.int64), 1)
         b64 = batch.to(gl.int64)
@@ -592,13 +640,24 @@ def flash_bwd_one_pass_kernel(
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    # WIDE (D > 128, 64-key tiles): K, V (64 KB) and two stages of Q and dO (128 KB) leave no room for an fp32
+    # dQ_i tile (64 KB), so each stage's Q_i and dO_i are the halves of one fp32 tile that stages dQ_i (_tile).
+    WIDE: gl.constexpr = HEAD_DIM > 128
+    gl.static_assert(not WIDE or (DS_BUFS == 1 and DQ_BUFS == STAGES), "WIDE: dQ_i staged in the Q and dO stages")
+    if WIDE:
+        q_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, HEAD_DIM], dq_layout)
+        do_bufs = q_bufs
+    else:
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if WIDE else DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
+    if WIDE:
+        dq_bufs = q_bufs
+    else:
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_layout)
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -606,7 +665,10 @@ def flash_bwd_one_pass_kernel(
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    if WIDE:   # the dQ warp's reduce-add is the stage's last reader (_tile)
+        dq_empty = qdo_empty
+    else:
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=1)
     for j in gl.static_range(STAGES):
@@ -615,7 +677,8 @@ def flash_bwd_one_pass_kernel(
         mbarrier.init(qdo_empty.index(j), count=1)
     for j in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_ready.index(j), count=1)
-        mbarrier.init(dq_empty.index(j), count=1)
+        if not WIDE:
+            mbarrier.init(dq_empty.index(j), count=1)
     fence_async_shared()
 
     qk_scale = sm_scale * 1.4426950408889634

@@ -241,8 +241,10 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Opt
 # tokens (benchmarks/tune_one_pass.py; NOTES: "One-pass tile settings"): D=128 DQ_BUFS 2 (was 1) +2-3%
 # non-causal, 0 causal; DS_BUFS 2 (the two warpgroups meet once per tile, not twice) +1-5% at D=64 but 6-20%
 # slower at D=128 (the dQ tile reaches its warp half a tile later); BLOCK_M 128 at D=64 5-10% slower (spills).
-# 8 compute warps (two wgmma warpgroups) plus its load and dQ warps.
-ONE_PASS_TILES = {64: (64, 128, 3, 2, 2), 128: (64, 128, 2, 2, 1)}
+# 8 compute warps (two wgmma warpgroups) plus its load and dQ warps.  D=256: 64-key tiles, each warpgroup on half
+# of dK's and dV's columns (at 128 keys dK and dV alone would take 256 registers a thread); the fp32 dQ tile is
+# staged in each stage's Q and dO buffers, so DQ_BUFS = STAGES (backward_gluon's WIDE).
+ONE_PASS_TILES = {64: (64, 128, 3, 2, 2), 128: (64, 128, 2, 2, 1), 256: (64, 64, 2, 2, 1)}
 ONE_PASS_WARPS = 8
 ONE_PASS_ENV = "DUALATTN_ONE_PASS"
 # Least keys (Sk) from which the one-pass backward replaces the two-pass one. fwd+bwd against the two-pass
@@ -267,7 +269,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     What the Gluon kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
     per-element option, no packed varlen; the soft cap qualifies, a block-sparse layout of 128 x 128 blocks
     (sparse_on_gluon_tiles: each key tile walks its list of query blocks), and segment ids: the
-    key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64 or 128
+    key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64, 128 or 256
     (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
@@ -284,9 +286,11 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not sparse_on_gluon_tiles(sparse):
-        return None
-    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT")):
+    wide = shapes.head_dim > 128
+    if not sparse_on_gluon_tiles(sparse) or (wide and (sparse is not None or shapes.has_bias or shapes.has_mask)):
+        return None   # (D=256: 64-key tiles, no 128 x 128 blocks; bias and mask tiles were not built there)
+    if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT"),
+                               max_width=shapes.head_dim):
         return None
     if (shapes.has_bias and bias_grad) or not all(score_tiles_copyable(shapes, strides, name)
                                                   for name in ("bias", "attention_mask")):
