@@ -376,12 +376,13 @@ def test_gpu_torch_and_jax_triton_bitwise_at_size(monkeypatch, backward, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, options", [(128, dict(logits_soft_cap=30.0)),
                                         (128, dict(dropout_prob=0.2, dropout_seed=1234)), (256, {}),
-                                        (256, dict(logits_soft_cap=30.0, dropout_prob=0.1, dropout_seed=7))],
-                         ids=["softcap", "dropout", "d256", "d256-softcap-dropout"])
+                                        (256, dict(logits_soft_cap=30.0, dropout_prob=0.1, dropout_seed=7)),
+                                        (192, {}), (96, dict(logits_soft_cap=30.0))],
+                         ids=["softcap", "dropout", "d256", "d256-softcap-dropout", "d192", "d96-softcap"])
 def test_gpu_options_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, options):
     """The soft cap (the GPU's tanh.approx) and dropout on the Gluon forward and the one-pass backward, and
-    D = 256 (the one-pass kernel's 64-key tiles): the same out, dK and dV bits in both frameworks, dQ within
-    the one-pass kernel's reduction order."""
+    D = 256 (the one-pass kernel's 64-key tiles), 192 and 96 (padded to the tiles' width): the same out, dK and
+    dV bits in both frameworks, dQ within the one-pass kernel's reduction order."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels run on sm_90 only")
     for name, value in BACKWARDS["one-pass"].items():
@@ -389,7 +390,7 @@ def test_gpu_options_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, o
     from plan_spy import spy_kernels
     backward_kernels = spy_kernels(monkeypatch)
     forward_kernels = spy_kernels(monkeypatch, "plan_forward")
-    t, j = _gpu_both(_gpu_inputs(1, 1, 4096, 8 if d == 128 else 4, d), True, **options)
+    t, j = _gpu_both(_gpu_inputs(1, 1, 4096, 8 if d <= 128 else 4, d), True, **options)
     _assert_same_bits(t, j, one_pass=True)
     assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels
     assert forward_kernels and set(forward_kernels) == {"flash_fwd_gluon_kernel"}, forward_kernels

@@ -85,6 +85,9 @@ GPU_CASES = {
     "d64-bias-mask": (1, 1024, 1024, 4, 4, 64, dict(bias=True, mask=True), 0.25),
     # D = 256: the Gluon forward, the one-pass backward's 64-key tiles (its WIDE layout)
     "d256-causal-documents": (1, 1024, 1024, 4, 2, 256, dict(causal=True, documents=True), 0.2),
+    # padded head dims (the next width's tiles)
+    "d192-window": (1, 1024, 1024, 4, 2, 192, dict(sliding_window=(300, 0)), 0.1),
+    "d96-causal": (2, 1024, 1024, 4, 4, 96, dict(causal=True), 0.2),
 }
 
 

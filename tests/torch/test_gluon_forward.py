@@ -135,13 +135,13 @@ def test_plan_takes_the_gluon_forward_at_d256():
         assert _plan(d=256, sq=4096, sk=4096, **extra).kernel == "flash_fwd_kernel", extra
 
 
-def test_gluon_forward_width():
+def test_gluon_tile_width():
     """The tiles' width for each head dim: 64, 128 and 256 as they are, other multiples of 16 from 80 to 240 the
     next power of two; none below 64 or above 256, nor for dims whose rows TMA cannot take."""
-    from dualattn.kernels.flash.hopper import gluon_forward_width
-    assert [gluon_forward_width(d) for d in (64, 80, 96, 112, 128, 144, 192, 240, 256)] == \
+    from dualattn.kernels.flash.hopper import gluon_tile_width
+    assert [gluon_tile_width(d) for d in (64, 80, 96, 112, 128, 144, 192, 240, 256)] == \
         [64, 128, 128, 128, 128, 256, 256, 256, 256]
-    assert [gluon_forward_width(d) for d in (16, 32, 48, 72, 100, 136, 272, 288, 512)] == [None] * 9
+    assert [gluon_tile_width(d) for d in (16, 32, 48, 72, 100, 136, 272, 288, 512)] == [None] * 9
 
 
 def test_plan_keys_the_short_window_rule_by_the_gluon_width():
@@ -155,7 +155,7 @@ def test_plan_keys_the_short_window_rule_by_the_gluon_width():
 @pytest.mark.parametrize("d, width", [(96, 128), (80, 128), (192, 256), (144, 256)])
 def test_plan_pads_other_head_dims_on_the_gluon_forward(d, width):
     """Head dims between the tiles' widths (96, 192: multiples of 16) run the tiles of the next power of two
-    (hopper.gluon_forward_width), the columns past D TMA's zeros; without a bias or mask (the Triton forward)."""
+    (hopper.gluon_tile_width), the columns past D TMA's zeros; without a bias or mask (the Triton forward)."""
     launch = _plan(d=d, causal=True, sinks=True, sq=2048, sk=2048)
     const = launch.constexpr_dict
     assert launch.kernel == GLUON_FWD and (const["HEAD_DIM"], const["BLOCK_D"]) == (d, width)
@@ -341,7 +341,7 @@ def test_gpu_gluon_forward(case, monkeypatch, seed):
 
 
 def _wide_head_case(seed: int) -> dict:
-    """A random case for the Gluon forward's wide and padded head dims (hopper.gluon_forward_width): any
+    """A random case for the Gluon forward's wide and padded head dims (hopper.gluon_tile_width): any
     multiple of 16 from 80 to 256, GQA, ragged lengths (Sq a multiple of 4 from 128: the Gluon kernels' lse
     rows), causal or not, a causal window, the soft cap and sinks at random."""
     import random

@@ -92,9 +92,19 @@ def test_plan_takes_the_wide_one_pass_backward_at_d256():
     assert _plan(d=256, sq=4096, sk=4096).dkdv.kernel == ONE_PASS
 
 
+@pytest.mark.parametrize("d, width, block_n", [(96, 128, 128), (80, 128, 128), (192, 256, 64), (144, 256, 64)])
+def test_plan_pads_other_head_dims_on_the_one_pass_backward(d, width, block_n):
+    """Multiples of 16 between the widths run the next width's tiles (hopper.gluon_tile_width), as the Gluon
+    forward: BLOCK_D is the width, HEAD_DIM the head dim (the kernel's (rows, heads, dims) descriptors)."""
+    const = _plan(d=d, causal=True, hq=8, hkv=2).dkdv.constexpr_dict
+    assert (const["HEAD_DIM"], const["BLOCK_D"], const["BLOCK_N"]) == (d, width, block_n)
+    assert _plan(d=d).dkdv.constexpr_dict["BLOCK_D"] == width
+
+
 @pytest.mark.parametrize("why, kwargs", [
     ("no Gluon launcher (JAX, CPU)", dict(gluon=False)),
-    ("head dim 96", dict(d=96)),
+    ("head dim 72 (no tile width: not a multiple of 16)", dict(d=72)),
+    ("head dim 96 with a mask (no score tiles on padded tiles)", dict(d=96, mask=True)),
     ("head dim 256 with a mask (no score tiles at 64 keys)", dict(d=256, mask=True)),
     ("head dim 256 with a bias", dict(d=256, bias=True)),
     ("fp32", dict(dtype="float32")),
@@ -223,7 +233,8 @@ def test_fit_keeps_the_one_pass_backward_where_the_score_tiles_fit(d, extra, one
     (64, False, 8, 2, "float16", 1024, None), (64, True, 4, 4, "bfloat16", 1024, None),
     (128, True, 4, 2, "bfloat16", 1000, None), (64, False, 4, 4, "bfloat16", 1000, None),
     (128, False, 4, 2, "bfloat16", 1024, (300, 0)), (256, True, 4, 2, "bfloat16", 1024, None),
-    (256, False, 4, 4, "float16", 1000, (300, 0))])
+    (256, False, 4, 4, "float16", 1000, (300, 0)), (192, True, 4, 2, "bfloat16", 1024, None),
+    (96, False, 4, 4, "bfloat16", 1000, None)])
 def test_one_pass_compiles_for_sm90(d, causal, hq, hkv, dtype, sq, window):
     """The Gluon kernel (persistent; per work item where Sq = 1000) and the dQ cast compile for
     sm_90 (GluonASTSource); the two worker warps take one more warpgroup next to the 8 compute warps
@@ -398,6 +409,14 @@ GPU_CASES = {
                                        num_sms="7", persistent="1"),
     "d256-window-softcap-fp16": dict(b=1, sq=2048, sk=2048, hq=4, hkv=2, d=256, dtype=torch.float16,
                                      opts=dict(sliding_window=(300, 0), logits_soft_cap=20.0)),
+    # head dims padded to the tiles' width ((rows, heads, dims) descriptors: zeros past D, dQ's reduce clipped)
+    "d192-causal-gqa": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=192, opts=dict(causal=True)),
+    "d192-ragged-softcap-sinks": dict(b=1, sq=1000, sk=1100, hq=4, hkv=4, d=192, sinks=True,
+                                      opts=dict(logits_soft_cap=20.0)),
+    "d96": dict(b=2, sq=1024, sk=1024, hq=4, hkv=4, d=96, opts={}),
+    "d96-causal-gqa-7-programs": dict(b=2, sq=1024, sk=1024, hq=8, hkv=2, d=96, opts=dict(causal=True),
+                                      num_sms="7", persistent="1"),
+    "d80-window-ragged": dict(b=1, sq=1000, sk=1100, hq=2, hkv=1, d=80, opts=dict(sliding_window=(257, 0))),
     **WINDOW_CASES,
 }
 
@@ -411,6 +430,21 @@ def test_gpu_one_pass_backward(case, monkeypatch, seed):
     kernels = spy_kernels(monkeypatch)
     check_gpu_case(monkeypatch, GPU_CASES[case], seed, {"persistent": flash_plan.PERSISTENT_ENV})
     assert kernels == [ONE_PASS], kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draw", range(16))
+def test_gpu_one_pass_wide_heads_at_random(monkeypatch, seed, draw):
+    """test_gluon_forward's random wide and padded head dims (80-256, GQA, ragged, causal, windows, soft cap,
+    sinks, fp16 / bf16) on the one-pass backward, forced at these lengths, against the float64 reference."""
+    _require_sm90()
+    from test_gluon_forward import _wide_head_case
+    set_switch(monkeypatch, "DUALATTN_WS", None)
+    set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, "1")
+    kernels = spy_kernels(monkeypatch)
+    case = _wide_head_case(seed + 1000 + draw)
+    check_gpu_case(monkeypatch, case, seed, {})
+    assert kernels == [ONE_PASS], (case, kernels)
 
 
 def check_gpu_case(monkeypatch, case: dict, seed, env: dict):
@@ -535,7 +569,7 @@ DOCUMENTS = {
     (128, "ragged", False, None), (128, "repeated-id", True, None), (128, "repeated-id", False, None),
     (128, "wide-int64", True, "7"), (64, "ragged", True, None), (64, "ragged", False, "7"), (64, "cross", False, None),
     (128, "cross", True, None), (128, "query-padding-minus-one", False, None), (256, "ragged", True, None),
-    (256, "repeated-id", False, "7")])
+    (256, "repeated-id", False, "7"), (192, "ragged", True, None), (96, "cross", False, None)])
 def test_gpu_one_pass_documents(monkeypatch, seed, d, docs, causal, programs):
     """Segment ids on the one-pass backward: each key tile visits the query tiles sharing an id with
     it (its segment ranges), compares ids outside its one-id run.  Documents aligned to the tiles or

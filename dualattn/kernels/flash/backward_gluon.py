@@ -215,12 +215,12 @@ def _query_tile(j, first, LIST, BM: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr, 
 
 @gluon.jit
 def _stage_tile(q_bufs, do_bufs, s, DO: gl.constexpr, dtype: gl.constexpr, BM: gl.constexpr,
-                HEAD_DIM: gl.constexpr, WIDE: gl.constexpr):
+                BLOCK_D: gl.constexpr, WIDE: gl.constexpr):
     """Q_i (DO false) or dO_i (DO true) of ring stage s.  WIDE: a half of the stage's fp32 [BM, D] buffer,
     which then stages the tile's dQ_i (_tile), so q_bufs is that buffer (do_bufs too)."""
     if WIDE:
-        pair = q_bufs.index(s)._reinterpret(dtype, [2, BM, HEAD_DIM],
-                                            gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], dtype))
+        pair = q_bufs.index(s)._reinterpret(dtype, [2, BM, BLOCK_D],
+                                            gl.NVMMASharedLayout.get_default_for([BM, BLOCK_D], dtype))
         return pair.index(1 if DO else 0)
     elif DO:
         return do_bufs.index(s)
@@ -229,13 +229,22 @@ def _stage_tile(q_bufs, do_bufs, s, DO: gl.constexpr, dtype: gl.constexpr, BM: g
 
 
 @gluon.jit
+def _load_padded(desc, row, col, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """TMA-load rows from `row` on of the head at column `col` (a multiple of HEAD_DIM) into buf, through a
+    (rows, heads, dims) descriptor: BLOCK_D > HEAD_DIM (D = 96, 192), the tile's columns past HEAD_DIM are TMA's
+    zeros, not the next head's (as the Gluon forward's _load_rows)."""
+    tma.async_copy_global_to_shared(desc, [row, col // HEAD_DIM, 0], bar,
+                                    buf._reinterpret(buf.dtype, [buf.shape[0], 1, BLOCK_D], desc.layout))
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
                     seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr,
-                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                    PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
-                    SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr):
-    WIDE: gl.constexpr = HEAD_DIM > 128
+                    BLOCK_D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr,
+                    SEGMENTS: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr):
+    WIDE: gl.constexpr = BLOCK_D > 128
     r = 0  # ring position: tiles so far, counted alike in every partition
     for i in range(_item_count(w_first, w_end, w_step, PERSISTENT and (CAUSAL or SPARSE_BLOCK_Q > 0))):
         _, _, _, q_row, k_row, q_col, k_col, lse_row, i_start, n_local, _, _, sparse_row = _work_item(
@@ -243,8 +252,12 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
             GROUP, HEAD_DIM, CAUSAL, PERSISTENT, WINDOW, SEGMENTS, SPARSE_BLOCK_Q)
         mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the previous key tile's K, V are read (fresh: passes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_ready, v_smem)
+        if BLOCK_D == HEAD_DIM:
+            tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
+            tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_ready, v_smem)
+        else:
+            _load_padded(k_desc, k_row, k_col, kv_ready, k_smem, HEAD_DIM, BLOCK_D)
+            _load_padded(v_desc, k_row, k_col, kv_ready, v_smem, HEAD_DIM, BLOCK_D)
         LIST = sparse[1]
         first = i_start
         for g in range(GROUP):
@@ -257,14 +270,24 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
                 # lse rides with Q (needed for P), delta with dO (needed for dS).  (Not WIDE, the buffers are
                 # indexed in place: a helper call here reorders the D <= 128 kernels' SASS.)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
-                                                _stage_tile(q_bufs, do_bufs, s, False, k_smem.dtype, BM, HEAD_DIM, WIDE)
-                                                if WIDE else q_bufs.index(s))
+                if BLOCK_D == HEAD_DIM:
+                    tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
+                                                    _stage_tile(q_bufs, do_bufs, s, False, k_smem.dtype, BM, BLOCK_D,
+                                                                WIDE) if WIDE else q_bufs.index(s))
+                else:
+                    _load_padded(q_desc, q_row + m0, q_col + g * HEAD_DIM, q_ready.index(s),
+                                 _stage_tile(q_bufs, do_bufs, s, False, k_smem.dtype, BM, BLOCK_D, WIDE), HEAD_DIM,
+                                 BLOCK_D)
                 tma.async_copy_global_to_shared(lse_desc, [lse_row + g, m0], q_ready.index(s), lse_bufs.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [q_row + m0, q_col + g * HEAD_DIM], do_ready.index(s),
-                                                _stage_tile(q_bufs, do_bufs, s, True, k_smem.dtype, BM, HEAD_DIM, WIDE)
-                                                if WIDE else do_bufs.index(s))
+                if BLOCK_D == HEAD_DIM:
+                    tma.async_copy_global_to_shared(do_desc, [q_row + m0, q_col + g * HEAD_DIM], do_ready.index(s),
+                                                    _stage_tile(q_bufs, do_bufs, s, True, k_smem.dtype, BM, BLOCK_D,
+                                                                WIDE) if WIDE else do_bufs.index(s))
+                else:
+                    _load_padded(do_desc, q_row + m0, q_col + g * HEAD_DIM, do_ready.index(s),
+                                 _stage_tile(q_bufs, do_bufs, s, True, k_smem.dtype, BM, BLOCK_D, WIDE), HEAD_DIM,
+                                 BLOCK_D)
                 tma.async_copy_global_to_shared(delta_desc, [lse_row + g, m0], do_ready.index(s),
                                                 delta_bufs.index(s))
                 r += 1
@@ -272,8 +295,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
 
 @gluon.jit
 def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
-                  diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-                  BN: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                  diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                   PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
                   SPARSE_RUNS: gl.constexpr):
     r = 0
@@ -290,7 +313,11 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, 
                 b = r % DQ_BUFS
                 mbarrier.wait(dq_ready.index(b), (r // DQ_BUFS) & 1)
                 m0 = _query_tile(j, first, LIST, BM, SPARSE_BLOCK_Q, SPARSE_RUNS) * BM
-                _tma_reduce_add(dq_desc, [q_row + m0, q_col + g * HEAD_DIM], dq_bufs.index(b))
+                if BLOCK_D == HEAD_DIM:
+                    _tma_reduce_add(dq_desc, [q_row + m0, q_col + g * HEAD_DIM], dq_bufs.index(b))
+                else:   # (rows, heads, dims): the reduce skips the columns past HEAD_DIM
+                    _tma_reduce_add(dq_desc, [q_row + m0, q_col // HEAD_DIM + g, 0],
+                                    dq_bufs.index(b)._reinterpret(gl.float32, [BM, 1, BLOCK_D], dq_desc.layout))
                 tma.store_wait(0)  # the shared tile has been read: its buffer may be refilled
                 mbarrier.arrive(dq_empty.index(b), count=1)
                 r += 1
@@ -319,7 +346,7 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
 def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
           ds_smem, dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
           seqlen_q, seqlen_k, k_ids, QSEG_ROW, cap_in, BIAS_HEAD, bias_stride_s, bias_in, bias_buf, MASK_HEAD,
-          mask_stride_s, mask_buf, dropout, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+          mask_stride_s, mask_buf, dropout, BLOCK_D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
           STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, NUM_WARPS: gl.constexpr, MASK: gl.constexpr,
           DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, CAUSAL: gl.constexpr, SEGMENTS: gl.constexpr,
           SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, DROPOUT: gl.constexpr):
@@ -341,17 +368,17 @@ def _tile(r, r_first, m0, n0, masked, diag, window_left, dk, dv, k_smem, v_smem,
     done in both warpgroups: dQ_i, scaled, is then staged in the stage's own buffer (dq_bufs is q_bufs:
     _stage_tile), and the dQ warp gives the stage back to the load warp after its reduce-add (dq_empty is
     qdo_empty).  At D = 256 the fp32 dQ_i tile (64 KB) fits nowhere else beside K, V and two stages."""
-    WIDE: gl.constexpr = HEAD_DIM > 128
+    WIDE: gl.constexpr = BLOCK_D > 128
     s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(BN, HEAD_DIM, NUM_WARPS),
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(BN, BLOCK_D, NUM_WARPS),
                                                  k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     dtype: gl.constexpr = k_smem.dtype
     s = r % STAGES
     ph = (r // STAGES) & 1
-    q_buf = _stage_tile(q_bufs, do_bufs, s, False, dtype, BM, HEAD_DIM, WIDE)
-    do_buf = _stage_tile(q_bufs, do_bufs, s, True, dtype, BM, HEAD_DIM, WIDE)
+    q_buf = _stage_tile(q_bufs, do_bufs, s, False, dtype, BM, BLOCK_D, WIDE)
+    do_buf = _stage_tile(q_bufs, do_bufs, s, True, dtype, BM, BLOCK_D, WIDE)
 
     if HAS_BIAS or HAS_MASK:   # (every warp read the previous tile's before that tile's barrier)
         _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, mask_stride_s, m0, n0,
@@ -449,19 +476,20 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                        stride_dvb, stride_dvs, stride_dvh, w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_kv,
                        diag, window_left, qk_scale, sm_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
                        seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_buf, MASK, mask_strides, mask_buf,
-                       DROPOUT_SEED, dropout_threshold, dropout_scale, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP: gl.constexpr,
+                       DROPOUT_SEED, dropout_threshold, dropout_scale, HEAD_DIM: gl.constexpr,
+                       BLOCK_D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                       DQ_BUFS: gl.constexpr, GROUP: gl.constexpr,
                        NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr,
                        WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK_Q: gl.constexpr,
                        SPARSE_RUNS: gl.constexpr, DROPOUT: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BN, BM, NUM_WARPS)         # S^T, dP^T: [BN, BM]
-    kv_layout: gl.constexpr = mma_layout(BN, HEAD_DIM, NUM_WARPS)  # dK, dV: [BN, D]
-    dq_layout: gl.constexpr = mma_layout(BM, HEAD_DIM, NUM_WARPS)  # dQ_i: [BM, D]
+    kv_layout: gl.constexpr = mma_layout(BN, BLOCK_D, NUM_WARPS)  # dK, dV: [BN, D] (D padded to BLOCK_D)
+    dq_layout: gl.constexpr = mma_layout(BM, BLOCK_D, NUM_WARPS)  # dQ_i: [BM, D]
     zero_s = gl.zeros([BN, BM], gl.float32, s_layout)
-    zero_dq = gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout)
+    zero_dq = gl.zeros([BM, BLOCK_D], gl.float32, dq_layout)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
+    cols = gl.expand_dims(gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, kv_layout)), 0)
     dropout_seed = 0
     if DROPOUT:
         dropout_seed = gl.load(DROPOUT_SEED)
@@ -476,11 +504,11 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
             k_ids = gl.load(KSEG + batch.to(gl.int64) * seg_stride_kb + keys, mask=keys < seqlen_k, other=-1)
             qseg_row = QSEG + batch.to(gl.int64) * seg_stride_qb
-        if HEAD_DIM > 128:   # (WIDE: every tile retires its dK GEMM, _tile)
-            dk = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
+        if BLOCK_D > 128:   # (WIDE: every tile retires its dK GEMM, _tile)
+            dk = gl.zeros([BN, BLOCK_D], gl.float32, kv_layout)
         else:
-            dk = warpgroup_mma_init(gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout))  # an in-flight wgmma accumulator
-        dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
+            dk = warpgroup_mma_init(gl.zeros([BN, BLOCK_D], gl.float32, kv_layout))  # an in-flight wgmma accumulator
+        dv = gl.zeros([BN, BLOCK_D], gl.float32, kv_layout)
         r_first = r
         mbarrier.wait(kv_ready, i & 1)
         if not EVEN_K:
@@ -505,7 +533,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                    dq_bufs, q_ready, do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale,
                                    zero_s, zero_dq, seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head,
                                    bias_strides[2], bias_in, bias_buf, mask_head, mask_strides[2], mask_buf, dropout,
-                                   HEAD_DIM, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL,
+                                   BLOCK_D, BM, BN, STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL,
                                    SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, DROPOUT)
                     r += 1
             else:
@@ -518,7 +546,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                        v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
                                        do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
                                        seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
-                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN,
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, BLOCK_D, BM, BN,
                                        STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
                                        HAS_BIAS, HAS_MASK, DROPOUT)
                         r += 1
@@ -527,7 +555,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready, do_ready,
                                    qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq, seqlen_q,
                                    seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in, bias_buf,
-                                   mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN, STAGES, DQ_BUFS,
+                                   mask_head, mask_strides[2], mask_buf, dropout, BLOCK_D, BM, BN, STAGES, DQ_BUFS,
                                    NUM_WARPS, False, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK,
                                    DROPOUT)
                     r += 1
@@ -537,7 +565,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
                                        v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_bufs, q_ready,
                                        do_ready, qdo_empty, dq_ready, dq_empty, qk_scale, sm_scale, zero_s, zero_dq,
                                        seqlen_q, seqlen_k, k_ids, qseg_row, cap_in, bias_head, bias_strides[2], bias_in,
-                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, HEAD_DIM, BM, BN,
+                                       bias_buf, mask_head, mask_strides[2], mask_buf, dropout, BLOCK_D, BM, BN,
                                        STAGES, DQ_BUFS, NUM_WARPS, True, DS_BUFS, WINDOW, CAUSAL, SEGMENTS, SOFTCAP,
                                        HAS_BIAS, HAS_MASK, DROPOUT)
                         r += 1
@@ -547,7 +575,7 @@ def _compute_partition(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds
             mbarrier.arrive(dq_ready.index((r + DQ_BUFS - 1) % DQ_BUFS), count=1, pred=r > r_first)
         # Every read of K and V is done (the last tile's barrier): the load warp may refill them.
         mbarrier.arrive(kv_empty, count=1)
-        if HEAD_DIM <= 128:
+        if BLOCK_D <= 128:
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
         in_bounds = gl.expand_dims(n0 + rows < seqlen_k, 1) & (cols < HEAD_DIM)
         key_rows = gl.expand_dims((n0 + rows).to(gl.int64), 1)
@@ -570,8 +598,9 @@ def flash_bwd_one_pass_kernel(
     softcap, bias_stride_b, bias_stride_h, bias_stride_s, mask_stride_b, mask_stride_h, mask_stride_s,
     sparse_kstride_b, sparse_kstride_h, num_q_blocks, dropout_threshold, dropout_scale,
     DK, DV, DQ_ACCUM, DESC_SCRATCH,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, GROUP_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr,
+    CAUSAL: gl.constexpr,
     PERSISTENT: gl.constexpr, DS_BUFS: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
     SOFTCAP: gl.constexpr, EVEN_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
     SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr, DROPOUT: gl.constexpr,
@@ -586,12 +615,13 @@ def flash_bwd_one_pass_kernel(
     # launcher brings its own scratch.  SPARSE_BLOCK_Q: a block-sparse layout of SPARSE_BLOCK_Q x BLOCK_N
     # blocks (dualattn.SparseMask's query-block lists, _work_item), 0 where there is none; SPARSE_RUNS:
     # its every key block's query blocks are one run (_sparse_query_tiles).  DROPOUT: DROPOUT_SEED holds the
-    # seed (int32, shape (1,)); the forward's entries are dropped (_tile).
+    # seed (int32, shape (1,)); the forward's entries are dropped (_tile).  BLOCK_D: the tiles' width, HEAD_DIM
+    # or, for head dims between the widths (96, 192), the next one (plan: hopper.gluon_tile_width).
     dtype: gl.constexpr = Q.dtype.element_ty
     MASK = mask_as_int8(MASK)   # (a bool mask's bytes)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.float32)
     vec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     heads_q = num_heads_kv * GROUP_SIZE
     if PERSISTENT:
@@ -627,29 +657,51 @@ def flash_bwd_one_pass_kernel(
         v_base = b64 * stride_vb + kv_head * stride_vh
         dq_base = b64 * stride_dqb + q_head * stride_dqh
         lse_base = b64 * stride_lse_b + q_head * stride_lse_h
-    q_desc = tma.make_tensor_descriptor(Q + q_base, [q_rows, q_cols], [stride_qs, 1], [BLOCK_M, HEAD_DIM], q_layout)
-    do_desc = tma.make_tensor_descriptor(DO + o_base, [q_rows, q_cols], [stride_os, 1], [BLOCK_M, HEAD_DIM], q_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACCUM + dq_base, [q_rows, q_cols], [stride_dqs, 1], [BLOCK_M, HEAD_DIM],
-                                         dq_layout)
-    k_desc = tma.make_tensor_descriptor(K + k_base, [k_rows, k_cols], [stride_ks, 1], [BLOCK_N, HEAD_DIM], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + v_base, [k_rows, k_cols], [stride_vs, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    if BLOCK_D == HEAD_DIM:
+        q_desc = tma.make_tensor_descriptor(Q + q_base, [q_rows, q_cols], [stride_qs, 1], [BLOCK_M, HEAD_DIM], q_layout)
+        do_desc = tma.make_tensor_descriptor(DO + o_base, [q_rows, q_cols], [stride_os, 1], [BLOCK_M, HEAD_DIM],
+                                             q_layout)
+        dq_desc = tma.make_tensor_descriptor(DQ_ACCUM + dq_base, [q_rows, q_cols], [stride_dqs, 1],
+                                             [BLOCK_M, HEAD_DIM], dq_layout)
+        k_desc = tma.make_tensor_descriptor(K + k_base, [k_rows, k_cols], [stride_ks, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)
+        v_desc = tma.make_tensor_descriptor(V + v_base, [k_rows, k_cols], [stride_vs, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)
+    else:
+        # (rows, heads, dims): a tile's columns past HEAD_DIM are TMA's zeros on loads and skipped by dQ's
+        # reduce-adds (_load_padded), so they add nothing to S, dP or dQ, and dK, dV's stores leave them out
+        q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_D], dtype)
+        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, BLOCK_D], dtype)
+        dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_D], gl.float32)
+        q_heads = q_cols // HEAD_DIM
+        k_heads = k_cols // HEAD_DIM
+        q_desc = tma.make_tensor_descriptor(Q + q_base, [q_rows, q_heads, HEAD_DIM], [stride_qs, stride_qh, 1],
+                                            [BLOCK_M, 1, BLOCK_D], q3_layout)
+        do_desc = tma.make_tensor_descriptor(DO + o_base, [q_rows, q_heads, HEAD_DIM], [stride_os, stride_oh, 1],
+                                             [BLOCK_M, 1, BLOCK_D], q3_layout)
+        dq_desc = tma.make_tensor_descriptor(DQ_ACCUM + dq_base, [q_rows, q_heads, HEAD_DIM],
+                                             [stride_dqs, stride_dqh, 1], [BLOCK_M, 1, BLOCK_D], dq3_layout)
+        k_desc = tma.make_tensor_descriptor(K + k_base, [k_rows, k_heads, HEAD_DIM], [stride_ks, stride_kh, 1],
+                                            [BLOCK_N, 1, BLOCK_D], kv3_layout)
+        v_desc = tma.make_tensor_descriptor(V + v_base, [k_rows, k_heads, HEAD_DIM], [stride_vs, stride_vh, 1],
+                                            [BLOCK_N, 1, BLOCK_D], kv3_layout)
     lse_desc = tma.make_tensor_descriptor(LSE + lse_base, [lse_rows, seqlen_q], [stride_lse_h, 1], [1, BLOCK_M],
                                           vec_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA + lse_base, [lse_rows, seqlen_q], [stride_lse_h, 1], [1, BLOCK_M],
                                             vec_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     # WIDE (D > 128, 64-key tiles): K, V (64 KB) and two stages of Q and dO (128 KB) leave no room for an fp32
     # dQ_i tile (64 KB), so each stage's Q_i and dO_i are the halves of one fp32 tile that stages dQ_i (_tile).
-    WIDE: gl.constexpr = HEAD_DIM > 128
+    WIDE: gl.constexpr = BLOCK_D > 128
     gl.static_assert(not WIDE or (DS_BUFS == 1 and DQ_BUFS == STAGES), "WIDE: dQ_i staged in the Q and dO stages")
     if WIDE:
-        q_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, HEAD_DIM], dq_layout)
+        q_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, BLOCK_D], dq_layout)
         do_bufs = q_bufs
     else:
-        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], vec_layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -657,7 +709,7 @@ def flash_bwd_one_pass_kernel(
     if WIDE:
         dq_bufs = q_bufs
     else:
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, BLOCK_D], dq_layout)
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -705,16 +757,16 @@ def flash_bwd_one_pass_kernel(
                               seqlen_q, seqlen_k, num_heads_kv, diag, window_left, qk_scale, sm_scale, QSEG, KSEG,
                               SEGMENT_RANGES, sparse, seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in,
                               bias_buf, MASK, mask_strides, mask_buf, DROPOUT_SEED, dropout_threshold, dropout_scale,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL, PERSISTENT,
-                              DS_BUFS, WINDOW, SEGMENTS, SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK, SPARSE_BLOCK_Q,
-                              SPARSE_RUNS, DROPOUT)),
+                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, GROUP_SIZE, NUM_WARPS, CAUSAL,
+                              PERSISTENT, DS_BUFS, WINDOW, SEGMENTS, SOFTCAP, EVEN_K, HAS_BIAS, HAS_MASK,
+                              SPARSE_BLOCK_Q, SPARSE_RUNS, DROPOUT)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end,
                            w_step, seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse,
-                           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS,
-                           SPARSE_BLOCK_Q, SPARSE_RUNS)),
+                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW,
+                           SEGMENTS, SPARSE_BLOCK_Q, SPARSE_RUNS)),
         (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, w_first, w_end, w_step, seqlen_q, seqlen_k,
-                         num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                          DQ_BUFS, GROUP_SIZE, CAUSAL, PERSISTENT, WINDOW, SEGMENTS, SPARSE_BLOCK_Q, SPARSE_RUNS)),
     ], [1, 1], [24, 24])
 

@@ -270,7 +270,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     per-element option, no packed varlen; the soft cap qualifies, a block-sparse layout of 128 x 128 blocks
     (sparse_on_gluon_tiles: each key tile walks its list of query blocks), and segment ids: the
     key tiles' segment ranges narrow their query tiles, as in the Gluon forward), head dims of 64, 128 or 256
-    (equal for K and V), a window only as causal or causal with a left side, and lse rows 16-byte aligned for TMA
+    or padded to them as in the Gluon forward (gluon_tile_width; equal for K and V), a window only as causal or
+    causal with a left side, and lse rows 16-byte aligned for TMA
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
     the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS <= Sk <=
@@ -279,18 +280,19 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     wanted (bias_grad off: dS is not written out).  Dropout qualifies (the forward's hash, per tile).
     flag: DUALATTN_ONE_PASS, "0" / "1" turn it off /
     on whatever the keys (A/B runs, tests)."""
-    tile = ONE_PASS_TILES.get(shapes.head_dim)
+    width = gluon_tile_width(shapes.head_dim)
+    tile = ONE_PASS_TILES.get(width)
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
         return None
     if flag != "1" and not ONE_PASS_MIN_KEYS <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    wide = shapes.head_dim > 128
-    if not sparse_on_gluon_tiles(sparse) or (wide and (sparse is not None or shapes.has_bias or shapes.has_mask)):
-        return None   # (D=256: 64-key tiles, no 128 x 128 blocks; bias and mask tiles were not built there)
+    scored = shapes.head_dim in (64, 128)   # (D=256 has 64-key tiles; padded dims, (rows, heads, dims) descriptors)
+    if not sparse_on_gluon_tiles(sparse) or (not scored and (sparse is not None or shapes.has_bias or shapes.has_mask)):
+        return None   # (block-sparse blocks, bias and mask tiles: built for 128-key tiles of 64 or 128 columns)
     if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT"),
-                               max_width=shapes.head_dim):
+                               max_width=width):
         return None
     if (shapes.has_bias and bias_grad) or not all(score_tiles_copyable(shapes, strides, name)
                                                   for name in ("bias", "attention_mask")):
@@ -308,10 +310,10 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
 GLUON_FWD_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
 
 
-def gluon_forward_width(head_dim: int) -> Optional[int]:
-    """The Gluon forward's tile width (BLOCK_D) for a head dim, or None: the dim itself where GLUON_FWD_TILES has
+def gluon_tile_width(head_dim: int) -> Optional[int]:
+    """The Gluon kernels' tile width (BLOCK_D) for a head dim, or None: the dim itself where GLUON_FWD_TILES has
     it; for other multiples of 16 from 80 to 240 (96, 192; the strides _use_tma takes) the next power of two,
-    whose columns past the head dim TMA fills with zeros (forward_gluon: descriptors of (rows, heads, dims))."""
+    whose columns past the head dim TMA fills with zeros (descriptors of (rows, heads, dims) in both kernels)."""
     if head_dim in GLUON_FWD_TILES:
         return head_dim
     width = next_pow2(head_dim)
@@ -345,7 +347,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
     What the warp-specialised kernels need (_warp_specializable), head dims of 64, 128 or 256 and those
-    gluon_forward_width pads (equal for K and V; other than 64 and 128 without a bias, mask or block-sparse
+    gluon_tile_width pads (equal for K and V; other than 64 and 128 without a bias, mask or block-sparse
     layout), a window only as causal or
     causal with a left side (sliding windows: Mistral, GPT-OSS), sinks of any count (joined after the
     loop), segment ids (packed documents, not varlen: _warp_specializable), the soft cap (the Triton
@@ -354,7 +356,7 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     query, key and value the heads side by side and the batches end to end, and out's heads side
     by side.  A block-sparse layout whose blocks are the kernel's tiles (sparse_on_gluon_tiles): each
     query tile walks its list of key blocks.  flag: DUALATTN_GLUON_FWD, "0" turns it off (A/B runs, tests)."""
-    width = gluon_forward_width(shapes.head_dim)
+    width = gluon_tile_width(shapes.head_dim)
     if flag == "0" or width is None or shapes.head_dim_v != shapes.head_dim:
         return False
     # Only the tiles they were written for take a bias, a mask (copies span 128 keys, O_SCORES is a tile of D = 128)
@@ -405,9 +407,9 @@ def short_window_forward(shapes: FlashShapes, options: FlashOptions, constexprs)
     """Whether the forward runs a causal sliding window of at most SHORT_WINDOW_KEYS[head dim] keys on the
     portable kernel.  Only with the options it was measured with (sinks, GQA): a bias, mask, segment ids,
     dropout or soft cap keep the Hopper kernels' rules.  A head dim the Gluon forward pads (96) takes the rule
-    of its tiles' width (gluon_forward_width)."""
+    of its tiles' width (gluon_tile_width)."""
     return _short_window(shapes, options, constexprs, SHORT_WINDOW_KEYS,
-                         gluon_forward_width(shapes.head_dim) or shapes.head_dim)
+                         gluon_tile_width(shapes.head_dim) or shapes.head_dim)
 
 
 def short_window_backward(shapes: FlashShapes, options: FlashOptions, constexprs) -> bool:

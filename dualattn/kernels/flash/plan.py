@@ -20,7 +20,7 @@ from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_stride
 from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILES, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
-                     gluon_allowed, gluon_forward, gluon_forward_width, gluon_score_buffers, one_pass_backward,
+                     gluon_allowed, gluon_forward, gluon_tile_width, gluon_score_buffers, one_pass_backward,
                      one_pass_persistent, persistent_backward, persistent_forward, short_window_backward,
                      short_window_forward, split_band, split_band_pays, tma_requested, warp_specialize_requested,
                      warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
@@ -231,7 +231,7 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
     causal or block-sparse, a pair of them); with segment ids, after the launch of its tiles' segment ranges.
     Block-sparse: the layout's lists (its blocks are the tiles: hopper.sparse_on_gluon_tiles)."""
-    block_d = gluon_forward_width(shapes.head_dim)
+    block_d = gluon_tile_width(shapes.head_dim)
     block_m, block_n, stages = GLUON_FWD_TILES[block_d]
     causal = options.window_right == 0   # (gluon_forward: a window_left only with it)
     q_tiles = cdiv(shapes.seqlen_q, block_m)
@@ -634,7 +634,8 @@ def _one_pass_launches(shapes: FlashShapes, options: FlashOptions, scalar: dict,
                                          "num_q_blocks", "dropout_threshold", "dropout_scale")),
         outputs=(Output("dkey", k_shape, "like:key"), Output("dvalue", v_shape, "like:value"),
                  Output("dq_accum", q_shape, "float32", zeroed=True), desc_scratch(grid, True)),
-        constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("STAGES", stages),
+        constexprs=(("HEAD_DIM", shapes.head_dim), ("BLOCK_D", gluon_tile_width(shapes.head_dim)), ("BLOCK_M", block_m),
+                    ("BLOCK_N", block_n), ("STAGES", stages),
                     ("DQ_BUFS", dq_bufs), ("GROUP_SIZE", shapes.group_size), ("NUM_WARPS", ONE_PASS_WARPS),
                     ("CAUSAL", options.window_right == 0), ("PERSISTENT", persistent), ("DS_BUFS", ds_bufs),
                     ("WINDOW", options.window_left is not None), ("SEGMENTS", shapes.has_segments),
