@@ -238,6 +238,18 @@ def _load_padded(desc, row, col, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.c
 
 
 @gluon.jit
+def _load_stage(desc, row, col, bar, q_bufs, do_bufs, s, DO: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_D: gl.constexpr, BM: gl.constexpr, WIDE: gl.constexpr):
+    """TMA-load Q_i (DO false) or dO_i into ring stage s (_stage_tile) where the tiles are WIDE or padded.  (The
+    D = 64 and 128 kernels index their buffers in place: a call there reorders their SASS.)"""
+    buf = _stage_tile(q_bufs, do_bufs, s, DO, dtype, BM, BLOCK_D, WIDE)
+    if BLOCK_D == HEAD_DIM:
+        tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
+    else:
+        _load_padded(desc, row, col, bar, buf, HEAD_DIM, BLOCK_D)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, kv_ready, kv_empty, q_ready, do_ready, qdo_empty, w_first, w_end, w_step,
                     seqlen_q, seqlen_k, num_heads_kv, diag, window_left, SEGMENT_RANGES, sparse, HEAD_DIM: gl.constexpr,
@@ -267,27 +279,22 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
                 s = r % STAGES
                 mbarrier.wait(qdo_empty.index(s), ((r // STAGES) & 1) ^ 1)
                 m0 = _query_tile(j, first, LIST, BM, SPARSE_BLOCK_Q, SPARSE_RUNS) * BM
-                # lse rides with Q (needed for P), delta with dO (needed for dS).  (Not WIDE, the buffers are
-                # indexed in place: a helper call here reorders the D <= 128 kernels' SASS.)
+                # lse rides with Q (needed for P), delta with dO (needed for dS)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-                if BLOCK_D == HEAD_DIM:
-                    tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
-                                                    _stage_tile(q_bufs, do_bufs, s, False, k_smem.dtype, BM, BLOCK_D,
-                                                                WIDE) if WIDE else q_bufs.index(s))
+                if WIDE or BLOCK_D != HEAD_DIM:
+                    _load_stage(q_desc, q_row + m0, q_col + g * HEAD_DIM, q_ready.index(s), q_bufs, do_bufs, s, False,
+                                k_smem.dtype, HEAD_DIM, BLOCK_D, BM, WIDE)
                 else:
-                    _load_padded(q_desc, q_row + m0, q_col + g * HEAD_DIM, q_ready.index(s),
-                                 _stage_tile(q_bufs, do_bufs, s, False, k_smem.dtype, BM, BLOCK_D, WIDE), HEAD_DIM,
-                                 BLOCK_D)
+                    tma.async_copy_global_to_shared(q_desc, [q_row + m0, q_col + g * HEAD_DIM], q_ready.index(s),
+                                                    q_bufs.index(s))
                 tma.async_copy_global_to_shared(lse_desc, [lse_row + g, m0], q_ready.index(s), lse_bufs.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                if BLOCK_D == HEAD_DIM:
-                    tma.async_copy_global_to_shared(do_desc, [q_row + m0, q_col + g * HEAD_DIM], do_ready.index(s),
-                                                    _stage_tile(q_bufs, do_bufs, s, True, k_smem.dtype, BM, BLOCK_D,
-                                                                WIDE) if WIDE else do_bufs.index(s))
+                if WIDE or BLOCK_D != HEAD_DIM:
+                    _load_stage(do_desc, q_row + m0, q_col + g * HEAD_DIM, do_ready.index(s), q_bufs, do_bufs, s, True,
+                                k_smem.dtype, HEAD_DIM, BLOCK_D, BM, WIDE)
                 else:
-                    _load_padded(do_desc, q_row + m0, q_col + g * HEAD_DIM, do_ready.index(s),
-                                 _stage_tile(q_bufs, do_bufs, s, True, k_smem.dtype, BM, BLOCK_D, WIDE), HEAD_DIM,
-                                 BLOCK_D)
+                    tma.async_copy_global_to_shared(do_desc, [q_row + m0, q_col + g * HEAD_DIM], do_ready.index(s),
+                                                    do_bufs.index(s))
                 tma.async_copy_global_to_shared(delta_desc, [lse_row + g, m0], do_ready.index(s),
                                                 delta_bufs.index(s))
                 r += 1
