@@ -100,25 +100,47 @@ def best_of(candidates: Sequence[T], measure: Callable[[T], float], *, desc: str
 
 
 def tune_flash(candidates: Sequence, measure_forward: Callable, measure_backward: Callable, *,
-               desc: str = "dualattn autotune", show_progress: bool = True):
+               plans: Optional[Callable[[object, str], object]] = None, desc: str = "dualattn autotune",
+               show_progress: bool = True):
     """The best flash config among `candidates` (FlashConfigs; the first is the heuristic default).
 
     Forward tiles are timed on the forward (`measure_forward(config)` with the candidate's forward
     tile and the default's backward tiles), (dK/dV, dQ) pairs on the backward
     (`measure_backward(config)`); the best of each is combined.  None when no forward or no
-    backward candidate ran.
+    backward candidate ran.  plans(config, "forward" | "backward"): what the call plans with that
+    config (the front ends record it: kernels/flash/plan.recording); a candidate that plans what an
+    earlier one did is not timed, as the Gluon and warp-specialised kernels run their own tiles.
     """
     from .kernels.flash.plan import FlashConfig
     base = candidates[0]
     fwd_tiles = list(dict.fromkeys(c.fwd for c in candidates))
     bwd_pairs = list(dict.fromkeys((c.bwd_dkdv, c.bwd_dq) for c in candidates))
-    fwd, _ = best_of([FlashConfig(t, base.bwd_dkdv, base.bwd_dq) for t in fwd_tiles], measure_forward,
-                     desc=f"{desc} (forward)", show_progress=show_progress)
-    bwd, _ = best_of([FlashConfig(base.fwd, dkdv, dq) for dkdv, dq in bwd_pairs], measure_backward,
-                     desc=f"{desc} (backward)", show_progress=show_progress)
+    fwd_configs = [FlashConfig(t, base.bwd_dkdv, base.bwd_dq) for t in fwd_tiles]
+    bwd_configs = [FlashConfig(base.fwd, dkdv, dq) for dkdv, dq in bwd_pairs]
+    if plans is not None:
+        fwd_configs = distinct_plans(fwd_configs, lambda c: plans(c, "forward"))
+        bwd_configs = distinct_plans(bwd_configs, lambda c: plans(c, "backward"))
+    fwd, _ = best_of(fwd_configs, measure_forward, desc=f"{desc} (forward)", show_progress=show_progress)
+    bwd, _ = best_of(bwd_configs, measure_backward, desc=f"{desc} (backward)", show_progress=show_progress)
     if fwd is None or bwd is None:
         return None
     return FlashConfig(fwd.fwd, bwd.bwd_dkdv, bwd.bwd_dq)
+
+
+def distinct_plans(configs: Sequence[T], plan_of: Callable[[T], object]) -> list:
+    """`configs` less those whose plan_of(config) an earlier one has (compared with ==); a config whose
+    plan_of raises is kept, for the timing to rule it out."""
+    seen, kept = [], []
+    for config in configs:
+        try:
+            planned = plan_of(config)
+        except Exception:
+            kept.append(config)
+            continue
+        if planned not in seen:
+            seen.append(planned)
+            kept.append(config)
+    return kept
 
 
 def in_own_thread(fn: Callable[[], T]) -> T:

@@ -8,6 +8,8 @@ import pytest
 
 from dualattn import autotune, executor as ex, tune
 from dualattn.kernels.flash import plan
+from dualattn.options import FlashOptions
+from dualattn.validation import FlashShapes
 
 
 def test_median_ms_warms_up_then_takes_the_median_of_rounds():
@@ -49,6 +51,42 @@ def test_tune_flash_combines_the_best_forward_and_backward():
     best = autotune.tune_flash(cands, lambda c: fwd[c.fwd.block_m], lambda c: bwd[c.bwd_dkdv.block_m],
                                show_progress=False)
     assert best == plan.FlashConfig(_tile(64), _tile(64), _tile(64))
+
+
+def test_tune_flash_times_once_the_configs_that_plan_alike():
+    """A kernel that runs its own tiles (the Gluon forward) plans the same launches whatever the candidate's
+    tile: those candidates are timed once; a plan that raises keeps its candidate."""
+    cands = [plan.FlashConfig(_tile(m), _tile(m), _tile(m)) for m in (16, 32, 64, 128)]
+    timed = []
+
+    def measure(c):
+        timed.append(c.fwd.block_m)
+        return float(c.fwd.block_m)
+
+    def plans(c, which):
+        if which == "backward" and c.bwd_dkdv.block_m == 128:
+            raise ValueError("does not fit")
+        return "own tiles" if which == "forward" or c.bwd_dkdv.block_m <= 32 else c.bwd_dkdv
+
+    best = autotune.tune_flash(cands, measure, lambda c: float(-c.bwd_dkdv.block_m), plans=plans,
+                               show_progress=False)
+    assert timed == [16] and best == plan.FlashConfig(_tile(16), _tile(128), _tile(128))
+    assert autotune.distinct_plans([1, 2, 3, 4], lambda x: x % 2) == [1, 2]
+
+
+def test_plans_are_recorded_per_thread_memoised_or_not():
+    shapes = FlashShapes(1, 64, 64, 2, 2, 32, 32, "float32")
+    options = FlashOptions.build(head_dim=32, causal=True)
+    strides = {n: (64 * 2 * 32, 2 * 32, 32, 1) for n in ("query", "key", "value", "out")}
+    config = plan.default_config(shapes, interpret=True)
+    with plan.recording() as first:
+        launch = plan.plan_forward(shapes, options, strides, config=config)
+        with plan.recording() as inner:
+            plan.plan_forward(shapes, options, strides, config=config)   # memoised: recorded all the same
+        backward = plan.plan_backward(shapes, options, strides, config=config)
+    assert first == [launch, backward] and inner == [launch]
+    plan.plan_forward(shapes, options, strides, config=config)
+    assert first == [launch, backward]
 
 
 def _fake_target(log):
@@ -98,25 +136,31 @@ def test_cli_rejects_bad_shapes_before_tuning(tmp_path):
         tune.main([str(spec), "--cache-dir", str(tmp_path)], target=_fake_target([]))
 
 
+def _tiny_problem():
+    """(shapes, options, a small tile, a big one, the two candidates of one tile each) at 32 tokens."""
+    shapes = FlashShapes(batch=1, seqlen_q=32, seqlen_k=32, heads_q=1, heads_kv=1, head_dim=16, head_dim_v=16,
+                         dtype="float32")
+    small, big = plan.TileConfig(16, 16, 4, 1), plan.TileConfig(32, 16, 4, 1)
+    return (shapes, FlashOptions.build(head_dim=16, causal=True), small, big,
+            [plan.FlashConfig(small, small, small), plan.FlashConfig(big, big, big)])
+
+
 def test_jax_autotune_runs_from_inside_a_jit_trace(monkeypatch):
     """The executor may ask while the caller is being traced: the tuner's timed calls run in their own
     thread, on concrete arrays (the Triton kernels interpreted on CPU here, a fake timer)."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     from dualattn.jax_api import _autotune
-    from dualattn.options import FlashOptions
-    from dualattn.validation import FlashShapes
-    shapes = FlashShapes(batch=1, seqlen_q=32, seqlen_k=32, heads_q=1, heads_kv=1, head_dim=16, head_dim_v=16,
-                         dtype="float32")
-    options = FlashOptions.build(head_dim=16, causal=True)
-    small, big = plan.TileConfig(16, 16, 4, 1), plan.TileConfig(32, 16, 4, 1)
-    cands = [plan.FlashConfig(small, small, small), plan.FlashConfig(big, big, big)]
+    shapes, options, small, big, cands = _tiny_problem()
     timed = []
 
     def timer(run):
-        out = jax.block_until_ready(run())
+        with plan.recording() as planned:   # the first call traces, with the candidate's tiles
+            out = jax.block_until_ready(run())
         assert not isinstance(out, jax.core.Tracer)
         timed.append(ex.current_override("flash"))
+        fwd = [p for p in planned if not isinstance(p, plan.BackwardPlan)]
+        assert fwd and fwd[0].constexpr_dict["BLOCK_M"] == timed[-1].fwd.block_m, (fwd, timed[-1])
         return 1.0 if timed[-1].fwd == big or timed[-1].bwd_dkdv == big else 2.0
 
     @jax.jit
@@ -127,3 +171,57 @@ def test_jax_autotune_runs_from_inside_a_jit_trace(monkeypatch):
 
     traced(jnp.zeros(()))
     assert timed[-1] == plan.FlashConfig(big, big, big) and len(timed) == 5
+
+
+def test_torch_autotune_times_each_candidate_with_its_own_tiles(monkeypatch):
+    """Each timed call launches the candidate's tiles (the Triton kernels interpreted on CPU, a fake timer),
+    after the candidates' plans were asked for (tune_flash's plans=)."""
+    torch = pytest.importorskip("torch")
+    from dualattn.torch_api import _autotune, _launch
+    shapes, options, small, big, cands = _tiny_problem()
+    launched, timed = [], []
+    real_run = _launch.run
+
+    def spy(launch, *args, **kwargs):
+        if launch.kernel in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel"):
+            launched.append(launch.constexpr_dict["BLOCK_M"])
+        return real_run(launch, *args, **kwargs)
+
+    def timer(run):
+        launched.clear()
+        run()
+        pinned = ex.current_override("flash")
+        timed.append(launched[0])
+        return 1.0 if pinned.fwd == big or pinned.bwd_dkdv == big else 2.0
+
+    monkeypatch.setattr(_launch, "run", spy)
+    best = _autotune._tune(shapes, options, torch.device("cpu"), cands, timer=timer)
+    assert best == plan.FlashConfig(big, big, big)
+    assert timed == [16, 32, 16, 32], timed
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_times_the_gluon_forward_once(monkeypatch):
+    """On sm_90 the Gluon forward runs its own tiles: every forward candidate plans the same launch and only
+    the first is timed.  The one-pass backward's candidates differ only in the preprocess's tile."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    from dualattn.torch_api import _autotune
+    shapes = FlashShapes(batch=1, seqlen_q=4096, seqlen_k=4096, heads_q=4, heads_kv=4, head_dim=128,
+                         head_dim_v=128, dtype="bfloat16")
+    options = FlashOptions.build(head_dim=128, causal=True)
+    cands = [plan.default_config(shapes, interpret=False, arch=90, causal=True)]
+    cands += [c for c in ex._flash_candidates_cuda(shapes, options, 90) if c not in cands]
+    swept, real_best_of = [], autotune.best_of
+
+    def spy(candidates, measure, **kwargs):
+        swept.append(list(candidates))
+        return real_best_of(candidates, measure, **kwargs)
+
+    monkeypatch.setattr(autotune, "best_of", spy)
+    best = _autotune._tune(shapes, options, torch.device("cuda"), cands, timer=lambda run: (run(), 1.0)[1])
+    assert best is not None
+    forward, backward = swept
+    assert len({c.fwd for c in cands}) > 1 and forward == [cands[0]], forward
+    assert len(backward) == len({c.bwd_dq.block_m for c in cands}), backward

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from .. import executor
 from ..autotune import in_own_thread, median_ms, tune_flash
+from ..kernels.flash import plan as flash_plan
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
 from . import flash
@@ -74,15 +75,26 @@ def _tune_here(shapes, options, candidates, timer):
     call, (q, k, v) = _synthetic_call(shapes, options, jax.random.PRNGKey(0))
     dout = jnp.ones(jax.eval_shape(call, q, k, v).shape, q.dtype)
 
+    def traced(fn):
+        # A new function for every config: jax keeps one trace per function (across jit objects), and the
+        # override is read while tracing.
+        return jax.jit(lambda *args: fn(*args))
+
     def measure(config: FlashConfig, fn) -> float:
         with executor.override(config, algorithm="flash"):
-            compiled = jax.jit(fn)     # a fresh trace: the override is read while tracing
+            compiled = traced(fn)
             return timer(lambda: compiled(q, k, v))
 
     def backward(q, k, v):
         return jax.vjp(call, q, k, v)[1](dout)
 
-    return tune_flash(candidates, lambda c: measure(c, call), lambda c: measure(c, backward),
+    def plans(config: FlashConfig, which: str) -> list:
+        """What tracing the call with `config` plans (jax plans while tracing: nothing runs)."""
+        with flash_plan.recording() as planned, executor.override(config, algorithm="flash"):
+            traced(call if which == "forward" else backward).lower(q, k, v)
+        return planned
+
+    return tune_flash(candidates, lambda c: measure(c, call), lambda c: measure(c, backward), plans=plans,
                       desc=f"dualattn autotune {shapes.seqlen_q}x{shapes.seqlen_k} d{shapes.head_dim}")
 
 

@@ -16,6 +16,7 @@ import torch
 
 from .. import executor
 from ..autotune import REP_MS, WARMUP_MS, in_own_thread, tune_flash
+from ..kernels.flash import plan as flash_plan
 from ..kernels.flash.plan import FlashConfig
 from ..validation import FlashShapes
 from . import flash
@@ -101,7 +102,17 @@ def _tune_here(shapes, options, device, candidates, timer):
         with executor.override(config, algorithm="flash"):
             return timer(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
 
-    return tune_flash(candidates, measure_forward, measure_backward,
+    def plans(config: FlashConfig, which: str) -> list:
+        """What one untimed call with `config` plans (the first call, which compiles, is not timed anyway)."""
+        with flash_plan.recording() as planned, executor.override(config, algorithm="flash"):
+            if which == "forward":
+                with torch.no_grad():
+                    run()
+            else:
+                torch.autograd.grad(out, inputs, dout, retain_graph=True)
+        return planned
+
+    return tune_flash(candidates, measure_forward, measure_backward, plans=plans,
                       desc=f"dualattn autotune {shapes.seqlen_q}x{shapes.seqlen_k} d{shapes.head_dim}")
 
 

@@ -8,9 +8,11 @@ take, from hopper.py; this module assembles the launches (plan_forward, plan_bac
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from typing import Dict, Optional, Tuple
 
 from ... import switches
@@ -208,6 +210,23 @@ def on_forget_plans(hook) -> None:
     _FORGET_HOOKS.append(hook)
 
 
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """The plans plan_forward and plan_backward return in this thread inside the block, in order (a list
+    filled as they are asked for, memoised or not).  The autotuner times candidate configs that plan the
+    same launches once: the Gluon and warp-specialised kernels run their own tiles whatever the config's
+    (dualattn.autotune.tune_flash)."""
+    outer = getattr(_RECORDING, "plans", None)
+    _RECORDING.plans = plans = []
+    try:
+        yield plans
+    finally:
+        _RECORDING.plans = outer
+
+
 def _memoised(plan_fn):
     """Plans are pure functions of hashable descriptions: build each one once per process.
     (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
@@ -220,8 +239,11 @@ def _memoised(plan_fn):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
         # (The switches the plans read are part of the key.)
         flags["env"] = switches.current()
-        return cached(shapes, options, frozen, config, int(diag_shift), sparse,
-                      tuple(sorted(flags.items())))
+        planned = cached(shapes, options, frozen, config, int(diag_shift), sparse, tuple(sorted(flags.items())))
+        plans = getattr(_RECORDING, "plans", None)
+        if plans is not None:
+            plans.append(planned)
+        return planned
     _PLAN_CACHES.append(cached)
     return plan
 
