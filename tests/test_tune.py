@@ -225,3 +225,21 @@ def test_gpu_autotune_times_the_gluon_forward_once(monkeypatch):
     forward, backward = swept
     assert len({c.fwd for c in cands}) > 1 and forward == [cands[0]], forward
     assert len(backward) == len({c.bwd_dq.block_m for c in cands}), backward
+
+
+def test_a_call_planned_before_still_reports_its_plans():
+    """torch's front end memoises a call's plans (_CallPlan): reused, they are reported to the recording all
+    the same, so the tuner sees what the base candidate plans after its first, untimed call."""
+    torch = pytest.importorskip("torch")
+    from dualattn import torch_api as dt
+    q, k, v = (torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
+
+    def call():
+        out = dt.flash_attention(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    with plan.recording() as first:
+        call()
+    with plan.recording() as again:
+        call()
+    assert len(first) == 2 and isinstance(first[1], plan.BackwardPlan) and again == first

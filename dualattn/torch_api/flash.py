@@ -302,7 +302,7 @@ def _forward(named: dict):
         if named["dropout_prob"] != 0.0:
             r = r._replace(dropout_seed=_seed_tensor(named["dropout_prob"], named["dropout_seed"], query.device))
         a["dropout_seed"] = r.dropout_seed
-        launch = call.forward
+        launch = flash_plan.used(call.forward)
         out = _new_out(call.out_shape, call.resolved.shapes.varlen, a["query"].dtype, query.device)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"], r, call
@@ -362,7 +362,9 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
     backward_key = (r.config, dlse is not None, _tensor_key(a["out"]), _tensor_key(a["dout"]),
                     flash_plan.environment(), bias_grad)
     plan = call.backwards.get(backward_key) if call is not None else None
-    if plan is None:
+    if plan is not None:
+        flash_plan.used(plan)
+    else:
         ws = _warp_specialize(a)
         plan = _plan(flash_plan.plan_backward, fit.backward, a, shapes, r.options,
                      _strides({k: a[k] for k in a if k not in ("lse", "dlse")}),

@@ -216,15 +216,23 @@ _RECORDING = threading.local()
 @contextlib.contextmanager
 def recording():
     """The plans plan_forward and plan_backward return in this thread inside the block, in order (a list
-    filled as they are asked for, memoised or not).  The autotuner times candidate configs that plan the
-    same launches once: the Gluon and warp-specialised kernels run their own tiles whatever the config's
-    (dualattn.autotune.tune_flash)."""
+    filled as they are asked for, memoised or not; a launcher that reuses a plan it memoised itself reports
+    it with `used`).  The autotuner times candidate configs that plan the same launches once: the Gluon and
+    warp-specialised kernels run their own tiles whatever the config's (dualattn.autotune.tune_flash)."""
     outer = getattr(_RECORDING, "plans", None)
     _RECORDING.plans = plans = []
     try:
         yield plans
     finally:
         _RECORDING.plans = outer
+
+
+def used(planned):
+    """Report a plan to the recording this thread has open, if any (recording); returns the plan."""
+    plans = getattr(_RECORDING, "plans", None)
+    if plans is not None:
+        plans.append(planned)
+    return planned
 
 
 def _memoised(plan_fn):
@@ -239,11 +247,7 @@ def _memoised(plan_fn):
         frozen = tuple(sorted((k, tuple(v)) for k, v in strides.items()))
         # (The switches the plans read are part of the key.)
         flags["env"] = switches.current()
-        planned = cached(shapes, options, frozen, config, int(diag_shift), sparse, tuple(sorted(flags.items())))
-        plans = getattr(_RECORDING, "plans", None)
-        if plans is not None:
-            plans.append(planned)
-        return planned
+        return used(cached(shapes, options, frozen, config, int(diag_shift), sparse, tuple(sorted(flags.items()))))
     _PLAN_CACHES.append(cached)
     return plan
 
