@@ -175,7 +175,8 @@ def test_jax_autotune_runs_from_inside_a_jit_trace(monkeypatch):
 
 def test_torch_autotune_times_each_candidate_with_its_own_tiles(monkeypatch):
     """Each timed call launches the candidate's tiles (the Triton kernels interpreted on CPU, a fake timer),
-    after the candidates' plans were asked for (tune_flash's plans=)."""
+    after the candidates' plans were asked for (tune_flash's plans=), also where the backward runs on
+    another thread than the tuner's, as a CUDA backward does."""
     torch = pytest.importorskip("torch")
     from dualattn.torch_api import _autotune, _launch
     shapes, options, small, big, cands = _tiny_problem()
@@ -189,7 +190,10 @@ def test_torch_autotune_times_each_candidate_with_its_own_tiles(monkeypatch):
 
     def timer(run):
         launched.clear()
-        run()
+        if torch.is_grad_enabled():   # a backward: on CUDA autograd runs it on a thread of its own
+            autotune.in_own_thread(run)
+        else:
+            run()
         pinned = ex.current_override("flash")
         timed.append(launched[0])
         return 1.0 if pinned.fwd == big or pinned.bwd_dkdv == big else 2.0

@@ -95,11 +95,13 @@ def _tune_here(shapes, options, device, candidates, timer):
             return timer(run)
 
     with executor.override(candidates[0], algorithm="flash"):
-        out = run()
-    dout = torch.randn_like(out)
+        dout = torch.randn_like(run())
 
     def measure_backward(config: FlashConfig) -> float:
+        # The forward runs pinned too: its call keeps the config for its backward, which on CUDA runs on
+        # autograd's own thread, where a config pinned in this one is not seen.
         with executor.override(config, algorithm="flash"):
+            out = run()
             return timer(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
 
     def plans(config: FlashConfig, which: str) -> list:
@@ -109,7 +111,7 @@ def _tune_here(shapes, options, device, candidates, timer):
                 with torch.no_grad():
                     run()
             else:
-                torch.autograd.grad(out, inputs, dout, retain_graph=True)
+                torch.autograd.grad(run(), inputs, dout)
         return planned
 
     return tune_flash(candidates, measure_forward, measure_backward, plans=plans,

@@ -478,7 +478,9 @@ class _FlashAttention(torch.autograd.Function):
             named.update(zip(_STATIC_ARGS, ctx.static))
             resolved = ctx.resolved
             override = executor.current_override("flash")
-            if override is not None:  # tiles pinned around the backward (the autotuner times them so)
+            # Tiles pinned around the backward: seen where the backward runs in the pinning thread (a CPU
+            # backward); a CUDA backward runs on autograd's own thread and keeps the forward's config.
+            if override is not None:
                 resolved = resolved._replace(config=override)
             dq, dk, dv, dbias, dsinks = _backward(named, dout, out, lse, dlse, resolved, ctx.call,
                                                   bias_grad=ctx.needs_input_grad[3])

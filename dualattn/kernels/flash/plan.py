@@ -210,28 +210,35 @@ def on_forget_plans(hook) -> None:
     _FORGET_HOOKS.append(hook)
 
 
-_RECORDING = threading.local()
+# The open recordings, innermost last.  Process-wide, not per thread: torch runs a CUDA backward on its
+# autograd engine's own thread.
+_RECORDINGS: list = []
+_RECORDINGS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def recording():
-    """The plans plan_forward and plan_backward return in this thread inside the block, in order (a list
-    filled as they are asked for, memoised or not; a launcher that reuses a plan it memoised itself reports
-    it with `used`).  The autotuner times candidate configs that plan the same launches once: the Gluon and
-    warp-specialised kernels run their own tiles whatever the config's (dualattn.autotune.tune_flash)."""
-    outer = getattr(_RECORDING, "plans", None)
-    _RECORDING.plans = plans = []
+    """The plans plan_forward and plan_backward return inside the block (in any thread), in order: a list
+    filled as they are asked for, memoised or not (a launcher that reuses a plan it memoised itself reports
+    it with `used`); nested, the innermost gets them.  The autotuner times candidate configs that plan the
+    same launches once: the Gluon and warp-specialised kernels run their own tiles whatever the config's
+    (dualattn.autotune.tune_flash)."""
+    plans = []
+    with _RECORDINGS_LOCK:
+        _RECORDINGS.append(plans)
     try:
         yield plans
     finally:
-        _RECORDING.plans = outer
+        with _RECORDINGS_LOCK:
+            del _RECORDINGS[next(i for i, p in enumerate(_RECORDINGS) if p is plans)]
 
 
 def used(planned):
-    """Report a plan to the recording this thread has open, if any (recording); returns the plan."""
-    plans = getattr(_RECORDING, "plans", None)
-    if plans is not None:
-        plans.append(planned)
+    """Report a plan to the innermost open recording, if any; returns the plan."""
+    if _RECORDINGS:
+        with _RECORDINGS_LOCK:
+            if _RECORDINGS:
+                _RECORDINGS[-1].append(planned)
     return planned
 
 
