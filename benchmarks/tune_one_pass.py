@@ -22,7 +22,7 @@ from dualattn.kernels.flash import hopper, plan as flash_plan
 from dualattn.torch_api import flash_attention
 
 _PLAN_TILES = dict(hopper.ONE_PASS_TILES)
-_PLAN_MIN_KEYS, _PLAN_MAX_KEYS = flash_plan.ONE_PASS_MIN_KEYS, flash_plan.ONE_PASS_MAX_KEYS
+_PLAN_MIN_KEYS, _PLAN_MAX_KEYS = hopper.ONE_PASS_MIN_KEYS, hopper.ONE_PASS_MAX_KEYS
 
 
 def parse_variant(text):
@@ -34,7 +34,7 @@ def plan_one_pass(tiles):
     """Plan the one-pass backward with `tiles` (hopper.ONE_PASS_TILES; {}: never, the two-pass kernels run)
     at every length; plans are memoised, so they are forgotten first."""
     hopper.ONE_PASS_TILES = tiles
-    flash_plan.ONE_PASS_MIN_KEYS, flash_plan.ONE_PASS_MAX_KEYS = 0, 1 << 30
+    hopper.ONE_PASS_MIN_KEYS, hopper.ONE_PASS_MAX_KEYS = 0, 1 << 30   # (hopper.one_pass_backward reads them)
     flash_plan.forget_plans()
 
 
@@ -85,7 +85,8 @@ def main():
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     try:
         for d, s, b, h, causal, q, k, v, do, flops in backward_problems(args.shapes, args.causal):
-            variants = [parse_variant(v) for v in args.variants] or [("plan", _PLAN_TILES[d])]
+            width = hopper.gluon_tile_width(d)   # (head dims between the widths run padded)
+            variants = [parse_variant(v) for v in args.variants] or [("plan", _PLAN_TILES[width])]
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
             def backward(out):
@@ -96,7 +97,7 @@ def main():
             want = backward(out)()
             rows = [("two-pass", time_ms(backward(out), args.iters, args.repeats), "")]
             for name, tile in variants:
-                plan_one_pass({**_PLAN_TILES, d: tile})
+                plan_one_pass({**_PLAN_TILES, width: tile})
                 try:
                     out = flash_attention(*leaves, causal=causal)
                     got = backward(out)()
@@ -121,7 +122,7 @@ def main():
             torch.cuda.empty_cache()
     finally:
         hopper.ONE_PASS_TILES = _PLAN_TILES
-        flash_plan.ONE_PASS_MIN_KEYS, flash_plan.ONE_PASS_MAX_KEYS = _PLAN_MIN_KEYS, _PLAN_MAX_KEYS
+        hopper.ONE_PASS_MIN_KEYS, hopper.ONE_PASS_MAX_KEYS = _PLAN_MIN_KEYS, _PLAN_MAX_KEYS
         flash_plan.forget_plans()
 
 

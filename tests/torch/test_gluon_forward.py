@@ -361,7 +361,7 @@ def _wide_head_case(seed: int) -> dict:
 @pytest.mark.parametrize("draw", range(16))
 def test_gpu_gluon_forward_wide_heads_at_random(monkeypatch, seed, draw):
     """Random wide and padded head-dim cases (_wide_head_case) on the Gluon forward against the float64
-    reference, forward and backward (a two-pass backward); the plan took the Gluon forward."""
+    reference, forward and backward (the backward its plan takes); the plan took the Gluon forward."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     kernels = spy_kernels(monkeypatch, "plan_forward")

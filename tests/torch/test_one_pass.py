@@ -88,7 +88,7 @@ def test_plan_takes_the_wide_one_pass_backward_at_d256():
     tile = tuple(const[n] for n in ("BLOCK_M", "BLOCK_N", "STAGES", "DQ_BUFS", "DS_BUFS"))
     assert tile == (64, 64, 2, 2, 1)
     assert const["PERSISTENT"] and dict(plan.dkdv.scalars)["num_work"] == 2 * 2 * (1024 // 64) // 2
-    # the speed rule holds as at D = 128: from ONE_PASS_MIN_KEYS keys
+    # the speed rule: from ONE_PASS_MIN_KEYS_WIDE_OR_PADDED keys
     assert _plan(d=256, sq=4096, sk=4096).dkdv.kernel == ONE_PASS
 
 
@@ -143,10 +143,10 @@ def test_one_pass_off_with_env(monkeypatch):
 
 
 def test_one_pass_speed_rules(monkeypatch):
-    """By default: from ONE_PASS_MIN_KEYS keys (4096) to ONE_PASS_MAX_KEYS (32768: its fp32 dQ
-    accumulator costs memory); non-causal persistent up to PERSISTENT_BWD_MAX_KEYS keys, causal
-    persistent over pairs of key tiles wherever the key tiles pair up (DUALATTN_PERSISTENT=0 / 1
-    turns it off / on)."""
+    """By default: from ONE_PASS_MIN_KEYS keys (4096; at D = 256 and padded head dims from
+    ONE_PASS_MIN_KEYS_WIDE_OR_PADDED) to ONE_PASS_MAX_KEYS (32768: its fp32 dQ accumulator costs memory);
+    non-causal persistent up to PERSISTENT_BWD_MAX_KEYS keys, causal persistent over pairs of key tiles
+    wherever the key tiles pair up (DUALATTN_PERSISTENT=0 / 1 turns it off / on)."""
     set_switch(monkeypatch, flash_plan.ONE_PASS_ENV, None)
 
     def layout(s, causal=False, sq=None):
@@ -157,6 +157,15 @@ def test_one_pass_speed_rules(monkeypatch):
     assert [layout(s, causal=True) for s in (2048, 4096, 8192, 32768, 65536)] == [
         False, "persistent", "persistent", "persistent", False]
     assert layout(33 * 128, causal=True) == "grid"   # 33 key tiles: one would be left without a pair
+
+    def one_pass(d, s):
+        return _plan(b=1, sq=s, sk=s, d=d).dkdv.kernel == ONE_PASS
+
+    # where the two-pass kernels are the portable ones (D = 256, padded head dims): from fewer keys
+    assert [one_pass(256, s) for s in (256, 512)] == [False, True]
+    assert [one_pass(192, s) for s in (256, 512)] == [False, True]
+    assert [one_pass(96, s) for s in (512, 1024, 2048)] == [False, True, True]
+    assert [one_pass(128, s) for s in (1024, 2048)] == [False, False]
     assert layout(8192, causal=True, sq=4000) == "grid"   # a query tile would reach into the next batch
     set_switch(monkeypatch, flash_plan.PERSISTENT_ENV, "1")
     assert layout(8192) == "persistent"
