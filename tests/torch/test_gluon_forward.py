@@ -365,6 +365,7 @@ def test_gpu_gluon_forward_wide_heads_at_random(monkeypatch, seed, draw):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     kernels = spy_kernels(monkeypatch, "plan_forward")
+    set_switch(monkeypatch, flash_plan.GLUON_FWD_ENV, "1")   # short windows too (hopper.short_window_forward)
     case = _wide_head_case(seed + draw)
     check_gpu_case(monkeypatch, case, seed, {})
     assert kernels == [GLUON_FWD], (case, kernels)
