@@ -74,7 +74,7 @@ def test_tune_flash_times_once_the_configs_that_plan_alike():
     assert autotune.distinct_plans([1, 2, 3, 4], lambda x: x % 2) == [1, 2]
 
 
-def test_plans_are_recorded_per_thread_memoised_or_not():
+def test_plans_are_recorded_memoised_or_not_by_the_innermost_recording():
     shapes = FlashShapes(1, 64, 64, 2, 2, 32, 32, "float32")
     options = FlashOptions.build(head_dim=32, causal=True)
     strides = {n: (64 * 2 * 32, 2 * 32, 32, 1) for n in ("query", "key", "value", "out")}
@@ -247,3 +247,33 @@ def test_a_call_planned_before_still_reports_its_plans():
     with plan.recording() as again:
         call()
     assert len(first) == 2 and isinstance(first[1], plan.BackwardPlan) and again == first
+
+
+def test_one_thread_records_at_a_time_and_sees_plans_from_other_threads():
+    """A recording takes the plans of every thread (torch's CUDA backward runs on autograd's), and a second
+    thread's recording waits for the first to close, so two tuners never see each other's plans."""
+    import threading
+    shapes = FlashShapes(1, 64, 64, 2, 2, 32, 32, "float32")
+    strides = {n: (64 * 2 * 32, 2 * 32, 32, 1) for n in ("query", "key", "value", "out")}
+    config = plan.default_config(shapes, interpret=True)
+    options = FlashOptions.build(head_dim=32)
+    order, started = [], threading.Event()
+
+    def other():
+        started.set()
+        with plan.recording() as theirs:
+            order.append("other opened")
+        order.append(list(theirs))
+
+    with plan.recording() as mine:
+        worker = threading.Thread(target=lambda: plan.plan_forward(shapes, options, strides, config=config))
+        worker.start()
+        worker.join()
+        second = threading.Thread(target=other)
+        second.start()
+        started.wait()
+        second.join(timeout=0.2)
+        assert second.is_alive()   # waiting for this recording to close
+        order.append("mine closed")
+    second.join()
+    assert len(mine) == 1 and order == ["mine closed", "other opened", []]

@@ -211,9 +211,12 @@ def on_forget_plans(hook) -> None:
 
 
 # The open recordings, innermost last.  Process-wide, not per thread: torch runs a CUDA backward on its
-# autograd engine's own thread.
+# autograd engine's own thread.  One thread records at a time (_RECORDER, held through the block), so that
+# two tuners never see each other's plans; plans of other threads' calls may still land in a recording,
+# which only makes it differ from the others (a candidate timed, never one skipped).
 _RECORDINGS: list = []
 _RECORDINGS_LOCK = threading.Lock()
+_RECORDER = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -222,15 +225,17 @@ def recording():
     filled as they are asked for, memoised or not (a launcher that reuses a plan it memoised itself reports
     it with `used`); nested, the innermost gets them.  The autotuner times candidate configs that plan the
     same launches once: the Gluon and warp-specialised kernels run their own tiles whatever the config's
-    (dualattn.autotune.tune_flash)."""
+    (dualattn.autotune.tune_flash).  A second thread's recording waits for this one to close, so nothing
+    inside the block may wait for a thread that records (a tuner's: no autotuning in the block)."""
     plans = []
-    with _RECORDINGS_LOCK:
-        _RECORDINGS.append(plans)
-    try:
-        yield plans
-    finally:
+    with _RECORDER:
         with _RECORDINGS_LOCK:
-            del _RECORDINGS[next(i for i, p in enumerate(_RECORDINGS) if p is plans)]
+            _RECORDINGS.append(plans)
+        try:
+            yield plans
+        finally:
+            with _RECORDINGS_LOCK:
+                del _RECORDINGS[next(i for i, p in enumerate(_RECORDINGS) if p is plans)]
 
 
 def used(planned):
