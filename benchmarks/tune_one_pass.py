@@ -22,7 +22,7 @@ from dualattn.kernels.flash import hopper, plan as flash_plan
 from dualattn.torch_api import flash_attention
 
 _PLAN_TILES = dict(hopper.ONE_PASS_TILES)
-_PLAN_KEYS = (hopper.ONE_PASS_MIN_KEYS, dict(hopper.ONE_PASS_MIN_KEYS_WIDE_OR_PADDED), hopper.ONE_PASS_MAX_KEYS)
+_PLAN_KEYS = (hopper.ONE_PASS_MIN_KEYS, hopper.ONE_PASS_MIN_KEYS_WIDE_OR_PADDED, hopper.ONE_PASS_MAX_KEYS)
 
 
 def parse_variant(text):
@@ -35,8 +35,7 @@ def plan_one_pass(tiles):
     at every length; plans are memoised, so they are forgotten first."""
     hopper.ONE_PASS_TILES = tiles
     # (hopper.one_pass_backward reads them)
-    hopper.ONE_PASS_MIN_KEYS, hopper.ONE_PASS_MAX_KEYS = 0, 1 << 30
-    hopper.ONE_PASS_MIN_KEYS_WIDE_OR_PADDED = dict.fromkeys(hopper.ONE_PASS_MIN_KEYS_WIDE_OR_PADDED, 0)
+    hopper.ONE_PASS_MIN_KEYS, hopper.ONE_PASS_MIN_KEYS_WIDE_OR_PADDED, hopper.ONE_PASS_MAX_KEYS = 0, 0, 1 << 30
     flash_plan.forget_plans()
 
 

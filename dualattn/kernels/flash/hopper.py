@@ -254,12 +254,12 @@ ONE_PASS_ENV = "DUALATTN_ONE_PASS"
 # two-pass kernels: D=128 -11% at S=2048, +3% at 4096; D=64 -1% at 2048, +4% at 4096.  Short problems lose the
 # dQ accumulator's zero-fill and cast (~0.1 ms per 16k tokens).
 ONE_PASS_MIN_KEYS = 4096
-# The same at D = 256, whose two-pass kernels are the portable ones, and at head dims padded to a width, by
-# width.  Backward alone, one-pass against two-pass, 16k tokens, non-causal / causal (benchmarks/tune_one_pass.py,
-# NOTES: "D = 256: the one-pass backward on halves of the columns"):
-# D=256 -8% / 0 at S=256, +10 / +22% at 512, +25 / +43% at 1024; D=192 +15 / +17% at 256; D=96 and 112 +18-22%
-# at 1024, D=80 +15 / +36% at 2048.
-ONE_PASS_MIN_KEYS_WIDE_OR_PADDED = {128: 1024, 256: 512}
+# The same at D = 256, whose two-pass kernels are the portable ones, and at head dims padded to a width.
+# Backward alone, one-pass against two-pass, 16k tokens, non-causal / causal (benchmarks/tune_one_pass.py,
+# NOTES: "D = 256: the one-pass backward on halves of the columns"): D=256 -8% / 0 at S=256, +10 / +22% at 512,
+# +25 / +43% at 1024; D=192 +15 / +17% at 256; D=96 +14% non-causal at 512, D=96 and 112 +18-22% at 1024, D=80
+# +15 / +36% at 2048.
+ONE_PASS_MIN_KEYS_WIDE_OR_PADDED = 512
 # Most keys for it: its fp32 dQ accumulator raises fwd+bwd peak memory from 1.01x to 1.25x the
 # tensors a backward must hold (q, k, v, o, dO, dq, dk, dv, lse; `..._memory15.json`, B=1 H=16
 # D=128, S = 8192 ... 131072).  At the longest sequences memory binds, so there the two-pass kernels
@@ -290,7 +290,7 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     tile = ONE_PASS_TILES.get(width)
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
         return None
-    min_keys = ONE_PASS_MIN_KEYS if shapes.head_dim in (64, 128) else ONE_PASS_MIN_KEYS_WIDE_OR_PADDED[width]
+    min_keys = ONE_PASS_MIN_KEYS if shapes.head_dim in (64, 128) else ONE_PASS_MIN_KEYS_WIDE_OR_PADDED
     if flag != "1" and not min_keys <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
