@@ -103,8 +103,7 @@ def test_plan_pads_other_head_dims_on_the_one_pass_backward(d, width, block_n):
     ("no Gluon launcher (JAX, CPU)", dict(gluon=False)),
     ("head dim 72 (no tile width: not a multiple of 16)", dict(d=72)),
     ("head dim 96 with a mask (no score tiles on padded tiles)", dict(d=96, mask=True)),
-    ("head dim 256 with a mask (no score tiles at 64 keys)", dict(d=256, mask=True)),
-    ("head dim 256 with a bias", dict(d=256, bias=True)),
+    ("head dim 192 with a bias (score tiles not measured at padded dims)", dict(d=192, bias=True)),
     ("fp32", dict(dtype="float32")),
     ("window with a right side", dict(sliding_window=(256, 256))),
     ("left window, not causal", dict(sliding_window=(256, None))),
@@ -182,7 +181,8 @@ def test_causal_persistent_work_items_are_pairs_of_key_tiles():
 
 
 @pytest.mark.parametrize("d, extra", [(128, dict(bias=True)), (128, dict(mask=True)),
-                                      (64, dict(bias=True, mask=True, causal=True, hq=8, hkv=2))])
+                                      (64, dict(bias=True, mask=True, causal=True, hq=8, hkv=2)),
+                                      (256, dict(bias=True, mask=True, causal=True))])
 def test_one_pass_takes_a_bias_without_grad_and_a_mask(d, extra):
     """A bias with no dbias wanted and an attention mask run on the one-pass kernel: their tiles are
     copied per query tile beside S^T (HAS_BIAS, HAS_MASK, the strides of the (batch, head, row)), and
@@ -220,10 +220,12 @@ def test_a_bool_mask_compiles_to_the_int8_masks_kernels():
 
 @pytest.mark.parametrize("d, extra, one_pass", [
     (128, dict(bias="bfloat16"), True), (128, dict(mask=True), True), (128, dict(bias="float32"), False),
-    (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True)])
+    (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True),
+    (256, dict(bias="float32"), True), (256, dict(bias="bfloat16", mask=True), True)])
 def test_fit_keeps_the_one_pass_backward_where_the_score_tiles_fit(d, extra, one_pass):
     """The bias and mask tiles take shared memory beside K, V, Q, dO, dS and dQ: at D=128 one 16-bit
-    tile fits, a float32 one or both do not (fit.backward then plans the two-pass kernels)."""
+    tile fits, a float32 one or both do not (fit.backward then plans the two-pass kernels); at D=256 the
+    64 x 64 tiles fit, a float32 bias with 1,684 bytes to spare."""
     from dualattn.kernels.flash import fit
     bias_dtype = extra.get("bias")
     shapes, options, strides, config = gluon_problem(d=d, causal=True, sq=1024, sk=1024, bias=bias_dtype is not None,
@@ -501,6 +503,10 @@ SCORED_CASES = {
     "d128-mask-ragged": (2, 1000, 1104, 4, 4, 128, {}, None, (2, 1)),
     "d64-bias-mask-softcap-sinks": (1, 1024, 1024, 4, 2, 64, dict(causal=True, logits_soft_cap=5.0), (1, 1), (1, 4)),
     "d64-window-mask-documents": (2, 1024, 1024, 4, 4, 64, dict(sliding_window=(200, 0)), None, (1, 4)),
+    # D = 256: 64 x 64 tiles of each, warpgroups on halves of the queries
+    "d256-causal-mask-gqa-softcap": (1, 1024, 1024, 4, 2, 256, dict(causal=True, logits_soft_cap=20.0), None,
+                                     (1, 4)),
+    "d256-bias-mask-ragged": (2, 1000, 1104, 2, 2, 256, {}, (2, 1), (2, 1)),
 }
 
 

@@ -336,8 +336,9 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
                        seqlen_k, BM: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Start copying the [BM, BN] tiles at (m0, n0) of the bias and the mask (rows = queries) into
-    their buffers, one commit group (gluon_shared.copy_score_tile)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    their buffers, one commit group (gluon_shared.copy_score_tile): runs of 8 keys a thread, a warp's lanes
+    across a row's BN keys."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [NUM_WARPS, 1], [1, 0])
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rows_ok = rows < seqlen_q - m0
     if HAS_BIAS:

@@ -295,9 +295,10 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    scored = shapes.head_dim in (64, 128)   # (D=256 has 64-key tiles; padded dims, (rows, heads, dims) descriptors)
-    if not sparse_on_gluon_tiles(sparse) or (not scored and (sparse is not None or shapes.has_bias or shapes.has_mask)):
-        return None   # (block-sparse blocks, bias and mask tiles: built for 128-key tiles of 64 or 128 columns)
+    if not sparse_on_gluon_tiles(sparse) or (width != shapes.head_dim and (shapes.has_bias or shapes.has_mask)):
+        return None   # (bias and mask tiles: D = 64, 128 and 256, not measured at the padded dims)
+    if sparse is not None and width == 256:
+        return None   # (its 64-key tiles are not the layout's 128 x 128 blocks)
     if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT"),
                                max_width=width):
         return None
