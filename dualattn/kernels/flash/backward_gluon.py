@@ -54,7 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton._C.libtriton import ir
 
-from .gluon_shared import capped_tanh, copy_score_tile, masked_bits, mma_layout, partition_barrier, scores_landed
+from .gluon_shared import (capped_tanh, copy_score_tile, load_rows, masked_bits, mma_layout, partition_barrier,
+                           scores_landed)
 from .rules import ONE_PASS_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
 @builtin
@@ -229,15 +230,6 @@ def _stage_tile(q_bufs, do_bufs, s, DO: gl.constexpr, dtype: gl.constexpr, BM: g
 
 
 @gluon.jit
-def _load_padded(desc, row, col, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
-    """TMA-load rows from `row` on of the head at column `col` (a multiple of HEAD_DIM) into buf, through a
-    (rows, heads, dims) descriptor: BLOCK_D > HEAD_DIM (D = 96, 192), the tile's columns past HEAD_DIM are TMA's
-    zeros, not the next head's (as the Gluon forward's _load_rows)."""
-    tma.async_copy_global_to_shared(desc, [row, col // HEAD_DIM, 0], bar,
-                                    buf._reinterpret(buf.dtype, [buf.shape[0], 1, BLOCK_D], desc.layout))
-
-
-@gluon.jit
 def _load_stage(desc, row, col, bar, q_bufs, do_bufs, s, DO: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                 BLOCK_D: gl.constexpr, BM: gl.constexpr, WIDE: gl.constexpr):
     """TMA-load Q_i (DO false) or dO_i into ring stage s (_stage_tile) where the tiles are WIDE or padded.  (The
@@ -246,7 +238,7 @@ def _load_stage(desc, row, col, bar, q_bufs, do_bufs, s, DO: gl.constexpr, dtype
     if BLOCK_D == HEAD_DIM:
         tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
     else:
-        _load_padded(desc, row, col, bar, buf, HEAD_DIM, BLOCK_D)
+        load_rows(desc, row, col // HEAD_DIM, bar, buf, HEAD_DIM, BLOCK_D)
 
 
 @gluon.jit
@@ -268,8 +260,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_sme
             tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_ready, k_smem)
             tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_ready, v_smem)
         else:
-            _load_padded(k_desc, k_row, k_col, kv_ready, k_smem, HEAD_DIM, BLOCK_D)
-            _load_padded(v_desc, k_row, k_col, kv_ready, v_smem, HEAD_DIM, BLOCK_D)
+            load_rows(k_desc, k_row, k_col // HEAD_DIM, kv_ready, k_smem, HEAD_DIM, BLOCK_D)
+            load_rows(v_desc, k_row, k_col // HEAD_DIM, kv_ready, v_smem, HEAD_DIM, BLOCK_D)
         LIST = sparse[1]
         first = i_start
         for g in range(GROUP):
@@ -677,7 +669,7 @@ def flash_bwd_one_pass_kernel(
                                             kv_layout)
     else:
         # (rows, heads, dims): a tile's columns past HEAD_DIM are TMA's zeros on loads and skipped by dQ's
-        # reduce-adds (_load_padded), so they add nothing to S, dP or dQ, and dK, dV's stores leave them out
+        # reduce-adds (gluon_shared.load_rows), so they add nothing to S, dP or dQ; dK and dV's stores leave them out
         q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_D], dtype)
         kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, BLOCK_D], dtype)
         dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_D], gl.float32)

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_shared import (capped_tanh, copy_score_tile, masked_scores, mma_layout, partition_barrier,
+from .gluon_shared import (capped_tanh, copy_score_tile, load_rows, masked_scores, mma_layout, partition_barrier,
                            scores_landed)
 from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
@@ -136,17 +136,6 @@ def _key_tile(i, n_first, LIST, SPARSE: gl.constexpr):
 
 
 @gluon.jit
-def _load_rows(desc, row, head, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
-    """TMA-load the box's rows from `row` on, of head `head`, into buf.  BLOCK_D > HEAD_DIM (D = 96, 192): the
-    descriptor is (rows, heads, dims), so the tile's columns past HEAD_DIM are TMA's zeros, not the next head's."""
-    if BLOCK_D == HEAD_DIM:
-        tma.async_copy_global_to_shared(desc, [row, head * HEAD_DIM], bar, buf)
-    else:
-        tma.async_copy_global_to_shared(desc, [row, head, 0], bar,
-                                        buf._reinterpret(buf.dtype, [buf.shape[0], 1, BLOCK_D], desc.layout))
-
-
-@gluon.jit
 def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               w_first, w_end, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse,
               HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -168,17 +157,17 @@ def _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
                 # read it; fresh: passes).
                 mbarrier.wait(q_empty, (tile & 1) ^ 1)
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-                _load_rows(q_desc, q_row, head, q_ready, q_bufs.index(0), HEAD_DIM, BLOCK_D)
-                _load_rows(q_desc, q_row + HM, head, q_ready, q_bufs.index(1), HEAD_DIM, BLOCK_D)
+                load_rows(q_desc, q_row, head, q_ready, q_bufs.index(0), HEAD_DIM, BLOCK_D)
+                load_rows(q_desc, q_row + HM, head, q_ready, q_bufs.index(1), HEAD_DIM, BLOCK_D)
                 for i in range(n_first, n_tiles):
                     j = _key_tile(i, 0, LIST, SPARSE)
                     s = r % STAGES
                     mbarrier.wait(k_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                    _load_rows(k_desc, k_row + j * BN, kv_head, k_ready.index(s), k_bufs.index(s), HEAD_DIM, BLOCK_D)
+                    load_rows(k_desc, k_row + j * BN, kv_head, k_ready.index(s), k_bufs.index(s), HEAD_DIM, BLOCK_D)
                     mbarrier.wait(v_empty.index(s), ((r // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                    _load_rows(v_desc, k_row + j * BN, kv_head, v_ready.index(s), v_bufs.index(s), HEAD_DIM, BLOCK_D)
+                    load_rows(v_desc, k_row + j * BN, kv_head, v_ready.index(s), v_bufs.index(s), HEAD_DIM, BLOCK_D)
                     r += 1
                 tile += 1
 

@@ -5,6 +5,7 @@ memory by cp.async, applied to the scores by integer operations).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # Triton 3.6 names the partition-wide barrier `thread_barrier`, 3.7 `barrier`.
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -19,6 +20,17 @@ def mma_layout(M, N, num_warps):
     wm = min(num_warps, max(M // 16, 1))
     wn = num_warps // wm
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, N // wn, 16])
+
+
+@gluon.jit
+def load_rows(desc, row, head, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """TMA-load the box's rows from `row` on, of head `head`, into buf.  BLOCK_D > HEAD_DIM (D = 96, 192): the
+    descriptor is (rows, heads, dims), so the tile's columns past HEAD_DIM are TMA's zeros, not the next head's."""
+    if BLOCK_D == HEAD_DIM:
+        tma.async_copy_global_to_shared(desc, [row, head * HEAD_DIM], bar, buf)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, head, 0], bar,
+                                        buf._reinterpret(buf.dtype, [buf.shape[0], 1, BLOCK_D], desc.layout))
 
 
 @gluon.jit
