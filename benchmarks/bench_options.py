@@ -118,6 +118,8 @@ def _cases() -> List[Case]:
               Case("mask_d64", 2, 4096, 32, 64, False, mask=True),
               Case("mask_causal_d256", 2, 4096, 8, 256, True, mask=True),
               Case("bias_d256", 2, 4096, 8, 256, False, bias=True),
+              Case("bias_causal_d192", 2, 4096, 8, 192, True, bias=True),
+              Case("mask_d96", 2, 4096, 16, 96, False, mask=True),
               Case("blocksparse_window", 1, 16384, 16, 128, True, entry="blocksparse", window=1024)]
     return cases
 

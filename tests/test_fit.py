@@ -117,3 +117,19 @@ def test_a_layout_whose_blocks_cannot_fit_is_a_value_error_naming_it():
     config = flash_plan.default_config(shapes, interpret=False, arch=90)
     with pytest.raises(ValueError, match="layout: block-sparse tiles are the layout's 64x64 blocks"):
         fit.forward(shapes, options, strides, config=config, arch=90, max_shared=16384, dtypes=dtypes, sparse=sparse)
+
+
+def test_wide_heads_with_a_bias_or_mask_take_the_small_portable_forward_tile():
+    """Above D = 128 a bias or an attention mask gives the portable forward tiles.SCORED_WIDE_FWD_TILE (the tuned
+    128 x 64 tile spilled kilobytes a thread there); D = 128, float32 and option-free problems keep theirs."""
+    import dataclasses
+    from dualattn.kernels.flash import tiles
+    from dualattn.validation import FlashShapes
+
+    def fwd(d, dtype="bfloat16", **scored):
+        shapes = dataclasses.replace(FlashShapes(2, 4096, 4096, 8, 8, d, d, dtype), **scored)
+        return flash_plan.default_config(shapes, interpret=False, arch=90).fwd
+    for d in (256, 192, 144):
+        assert fwd(d, has_bias=True) == fwd(d, has_mask=True) == tiles.SCORED_WIDE_FWD_TILE, d
+        assert fwd(d) != tiles.SCORED_WIDE_FWD_TILE, d
+    assert fwd(128, has_bias=True) == fwd(128) and fwd(256, "float32", has_mask=True) == fwd(256, "float32")

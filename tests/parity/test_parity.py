@@ -416,7 +416,8 @@ def test_gpu_wide_heads_on_the_gluon_forward_are_the_same_in_both(monkeypatch, d
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, causal, bias, with_mask", [(128, True, "learned", False), (128, True, "fixed", False),
                                                         (64, False, "fixed", True), (128, False, None, True),
-                                                        (256, True, "fixed", True)])
+                                                        (256, True, "fixed", True), (192, False, None, True),
+                                                        (96, True, "fixed", False)])
 def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, causal, bias, with_mask):
     """A bias and an attention mask on the Gluon forward, and on the one-pass backward where no dbias is
     wanted: the same bits in both frameworks.  A "fixed" bias is one nothing differentiates (torch: no
@@ -449,9 +450,7 @@ def test_gpu_bias_and_mask_on_the_gluon_kernels_are_the_same_in_both(monkeypatch
         _assert_same_bits(t[:4], j[:4], one_pass=False)
         assert torch.equal(t[4].view(torch.int16), j[4].view(torch.int16)), "dbias"
     one_pass = bias != "learned"
-    # (at D = 256 a bias or a mask keeps the Triton forward: the Gluon forward's 64-key tiles do not take them)
-    forward = "flash_fwd_gluon_kernel" if d <= 128 else "flash_fwd_kernel"
-    assert chains and {c[-1] for c in chains} == {forward}, chains
+    assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains
     assert set(backward_kernels) == {"flash_bwd_one_pass_kernel" if one_pass else "flash_bwd_dkdv_kernel"}
 
 

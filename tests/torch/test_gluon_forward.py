@@ -92,11 +92,14 @@ def test_gluon_forward_copies_score_tiles_in_16_byte_pieces():
 
 @pytest.mark.parametrize("d, extra, gluon", [
     (128, dict(bias="bfloat16"), True), (128, dict(mask=True), True), (128, dict(bias="float32"), False),
-    (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True)])
+    (128, dict(bias="bfloat16", mask=True), False), (64, dict(bias="float32", mask=True), True),
+    (256, dict(bias="float32"), True), (256, dict(bias="bfloat16", mask=True), True),
+    (256, dict(bias="float32", mask=True), False), (96, dict(bias="bfloat16", mask=True), False)])
 def test_fit_keeps_gluon_where_the_score_tiles_fit(d, extra, gluon):
     """Each compute warpgroup holds a tile of the bias and of the mask in shared memory: at D=128 one
     16-bit tile fits beside K, V, Q and O, a float32 one or both do not (fit.forward, from the
-    compiled kernel, plans the Triton forward there); at D=64 everything fits."""
+    compiled kernel, plans the Triton forward there); at D=64 everything fits; at D = 256 (64-key tiles)
+    a float32 bias or a 16-bit bias and a mask fit, a float32 bias and a mask do not; D = 96 runs D = 128's."""
     from dualattn.kernels.flash import fit
     bias_dtype = extra.get("bias")
     shapes, options, strides, config = gluon_problem(d=d, causal=True, sq=1024, sk=1024, bias=bias_dtype is not None,
@@ -122,17 +125,16 @@ def test_plan_takes_the_gluon_forward_for_documents():
 
 def test_plan_takes_the_gluon_forward_at_d256():
     """D = 256 (Gemma's heads): 64-key tiles (Q, two stages of K and V, O staged in Q's buffers:
-    hopper.GLUON_FWD_TILES), with the options that need no 128-key copy or block; a bias or a mask keeps the
-    Triton forward."""
+    hopper.GLUON_FWD_TILES), with every option but a block-sparse layout (128 x 128 blocks); a bias's and a
+    mask's copies span the 64 keys."""
     for extra in (dict(), dict(causal=True), dict(causal=True, logits_soft_cap=50.0, sinks=True),
-                  dict(sliding_window=(1023, 0)), dict(causal=True, segments=True), dict(dropout_prob=0.1)):
+                  dict(sliding_window=(1023, 0)), dict(causal=True, segments=True), dict(dropout_prob=0.1),
+                  dict(bias=True), dict(causal=True, mask=True)):
         launch = _plan(d=256, hq=8, hkv=2, sq=4096, sk=4096, **extra)
         launch = launch.chain[-1] if launch.then is not None else launch
         assert launch.kernel == GLUON_FWD, extra
         const = launch.constexpr_dict
         assert (const["HEAD_DIM"], const["BLOCK_M"], const["BLOCK_N"], const["STAGES"]) == (256, 128, 64, 2), extra
-    for extra in (dict(bias=True), dict(mask=True)):
-        assert _plan(d=256, sq=4096, sk=4096, **extra).kernel == "flash_fwd_kernel", extra
 
 
 def test_gluon_tile_width():
@@ -155,12 +157,12 @@ def test_plan_keys_the_short_window_rule_by_the_gluon_width():
 @pytest.mark.parametrize("d, width", [(96, 128), (80, 128), (192, 256), (144, 256)])
 def test_plan_pads_other_head_dims_on_the_gluon_forward(d, width):
     """Head dims between the tiles' widths (96, 192: multiples of 16) run the tiles of the next power of two
-    (hopper.gluon_tile_width), the columns past D TMA's zeros; without a bias or mask (the Triton forward)."""
+    (hopper.gluon_tile_width), the columns past D TMA's zeros; a bias and a mask too."""
     launch = _plan(d=d, causal=True, sinks=True, sq=2048, sk=2048)
     const = launch.constexpr_dict
     assert launch.kernel == GLUON_FWD and (const["HEAD_DIM"], const["BLOCK_D"]) == (d, width)
     assert const["BLOCK_N"] == flash_plan.GLUON_FWD_TILES[width][1]
-    assert _plan(d=d, bias=True, sq=2048, sk=2048).kernel == "flash_fwd_kernel"
+    assert _plan(d=d, bias=True, mask=True, sq=2048, sk=2048).kernel == GLUON_FWD
 
 
 def test_plan_keeps_the_triton_forward(monkeypatch):
@@ -488,6 +490,15 @@ SCORED_CASES = {
     # a 16-bit bias at D = 128 holds its second tiles in O's staging buffers: several items a program, an odd
     # count of key tiles (the last item's O store, then the next item's second tile, in the same buffer)
     "d128-bias-items-share-o-buffers": (1, 4096, 384, 16, 4, 128, {}, ((1, 16), torch.bfloat16), None),
+    # D = 256's 64-key tiles (one tile each in flight), and padded head dims (192 on them, 96 on D = 128's)
+    "d256-causal-mask-gqa-softcap": (1, 1024, 1024, 4, 2, 256, dict(causal=True, logits_soft_cap=20.0), None,
+                                     (1, 4)),
+    "d256-fp32-bias-ragged": (2, 1000, 1104, 2, 2, 256, {}, ((2, 1), torch.float32), None),
+    "d256-bias-mask-window": (1, 1024, 1024, 4, 4, 256, dict(sliding_window=(300, 0)),
+                              ((1, 4), torch.bfloat16), (1, 1)),
+    "d192-causal-bias-mask-gqa": (2, 768, 768, 4, 2, 192, dict(causal=True), ((2, 4), torch.bfloat16), (2, 4)),
+    "d96-mask-cross": (1, 512, 2048, 4, 4, 96, {}, None, (1, 4)),
+    "d96-causal-fp16-bias-ragged": (2, 1000, 1000, 4, 2, 96, dict(causal=True), ((1, 4), torch.float16), None),
 }
 
 
@@ -579,6 +590,33 @@ def test_gpu_gluon_forward_bias_and_mask(monkeypatch, seed, case):
         assert (out[0, 5, 0] == 0).all() and ("softmax_aux" in extra or lse[0, 0, 5] == float("-inf"))
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
         assert_close_rel(g, r, 2e-2 if name == "dbias" else 1e-2, name)
+
+
+@pytest.mark.gpu
+def test_gpu_scored_wide_heads_that_do_not_fit_run_the_small_portable_tile(monkeypatch, seed):
+    """A float32 bias with a mask at D = 256 does not fit the Gluon forward's shared memory: the portable forward
+    runs it on tiles.SCORED_WIDE_FWD_TILE; against the float64 reference, forward and backward."""
+    from dualattn.kernels.flash import tiles
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    planned, real = [], flash_plan.plan_forward
+    monkeypatch.setattr(flash_plan, "plan_forward", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
+    q, k, v, dout, extra = scored_inputs(2, 600, 704, 2, 2, 256, dict(causal=True), ((2, 1), torch.float32), (1, 2),
+                                         seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, **extra)
+    last = planned[-1].chain[-1]
+    assert last.kernel == "flash_fwd_kernel"
+    assert (last.constexpr_dict["BLOCK_M"], last.constexpr_dict["BLOCK_N"], last.num_warps) == (
+        tiles.SCORED_WIDE_FWD_TILE.block_m, tiles.SCORED_WIDE_FWD_TILE.block_n, tiles.SCORED_WIDE_FWD_TILE.num_warps)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves, **extra)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    assert not torch.isnan(out).any()
+    assert_close_rel(out, ref_out, 1e-2, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close_rel(g, r, 1e-2, name)
 
 
 def test_fit_compiles_the_gluon_forward_once_for_every_length(monkeypatch):

@@ -102,8 +102,6 @@ def test_plan_pads_other_head_dims_on_the_one_pass_backward(d, width, block_n):
 @pytest.mark.parametrize("why, kwargs", [
     ("no Gluon launcher (JAX, CPU)", dict(gluon=False)),
     ("head dim 72 (no tile width: not a multiple of 16)", dict(d=72)),
-    ("head dim 96 with a mask (no score tiles on padded tiles)", dict(d=96, mask=True)),
-    ("head dim 192 with a bias (score tiles not measured at padded dims)", dict(d=192, bias=True)),
     ("fp32", dict(dtype="float32")),
     ("window with a right side", dict(sliding_window=(256, 256))),
     ("left window, not causal", dict(sliding_window=(256, None))),
@@ -182,7 +180,8 @@ def test_causal_persistent_work_items_are_pairs_of_key_tiles():
 
 @pytest.mark.parametrize("d, extra", [(128, dict(bias=True)), (128, dict(mask=True)),
                                       (64, dict(bias=True, mask=True, causal=True, hq=8, hkv=2)),
-                                      (256, dict(bias=True, mask=True, causal=True))])
+                                      (256, dict(bias=True, mask=True, causal=True)),
+                                      (96, dict(mask=True)), (192, dict(bias=True, causal=True, hq=8, hkv=2))])
 def test_one_pass_takes_a_bias_without_grad_and_a_mask(d, extra):
     """A bias with no dbias wanted and an attention mask run on the one-pass kernel: their tiles are
     copied per query tile beside S^T (HAS_BIAS, HAS_MASK, the strides of the (batch, head, row)), and
@@ -194,6 +193,7 @@ def test_one_pass_takes_a_bias_without_grad_and_a_mask(d, extra):
         extra.get("bias", False), extra.get("mask", False))
     assert {"bias", "attention_mask"} <= set(launch.inputs) and dict(launch.scalars)["bias_stride_s"] == (
         1024 if extra.get("bias") else 0)
+    assert launch.constexpr_dict["HEAD_DIM"] == d
     dtypes = dict.fromkeys(("query", "key", "value", "dout"), "bfloat16")
     dtypes.update(lse="float32", delta="float32", bias="bfloat16", attention_mask="int8")
     compiled = compile_check.compile_launch(launch, dtypes, arch=90)
@@ -507,6 +507,9 @@ SCORED_CASES = {
     "d256-causal-mask-gqa-softcap": (1, 1024, 1024, 4, 2, 256, dict(causal=True, logits_soft_cap=20.0), None,
                                      (1, 4)),
     "d256-bias-mask-ragged": (2, 1000, 1104, 2, 2, 256, {}, (2, 1), (2, 1)),
+    # padded head dims: 192 on D = 256's tiles, 96 on D = 128's
+    "d192-causal-bias-mask-gqa": (2, 768, 768, 4, 2, 192, dict(causal=True), (1, 4), (2, 4)),
+    "d96-mask-ragged": (2, 1000, 1104, 4, 4, 96, {}, None, (2, 1)),
 }
 
 

@@ -41,12 +41,21 @@ from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
 SPARSE_LISTS = gl.constexpr(1)
 SPARSE_RUNS = gl.constexpr(2)
-# How one warpgroup copies a [64, 128] tile of the bias: 8 consecutive elements a thread, 16-byte copies
-# (L1 bypassed) whose warp covers whole sectors.  The mask's: half of one row a thread, one row offset where
-# the bias's layout has eight; copied like the mask, the bias's half-sector requests ran it 1.2-1.8x slower
-# (NOTES: "Score tiles: row offsets, not spills").
-BIAS_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-MASK_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0]))
+
+
+@gluon.constexpr_function
+def bias_copy_layout(BN):
+    """How one warpgroup copies a [64, BN] tile of the bias: 8 consecutive elements a thread, 16-byte copies
+    (L1 bypassed), a warp's lanes across a row's BN keys so that it covers whole sectors."""
+    return gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def mask_copy_layout(BN):
+    """How one warpgroup copies a [64, BN] tile of the mask: half of one row a thread, one row offset where the
+    bias's layout has eight; copied like the mask, the bias's half-sector requests ran it 1.2-1.8x slower
+    (NOTES: "Score tiles: row offsets, not spills")."""
+    return gl.BlockedLayout([1, BN // 2], [16, 2], [4, 1], [1, 0])
 
 
 @gluon.jit
@@ -232,9 +241,11 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
     them, they land during the next S and P V GEMMs."""
     bias_ok, mask_ok = rows_ok
     if HAS_BIAS:
-        copy_score_tile(bias_buf, BIAS_ROW, bias_rows[0], bias_rows[1], bias_ok, n0, seqlen_k, BN, BIAS_COPY_LAYOUT)
+        copy_score_tile(bias_buf, BIAS_ROW, bias_rows[0], bias_rows[1], bias_ok, n0, seqlen_k, BN,
+                        bias_copy_layout(BN))
     if HAS_MASK:
-        copy_score_tile(mask_buf, MASK_ROW, mask_rows[0], mask_rows[1], mask_ok, n0, seqlen_k, BN, MASK_COPY_LAYOUT)
+        copy_score_tile(mask_buf, MASK_ROW, mask_rows[0], mask_rows[1], mask_ok, n0, seqlen_k, BN,
+                        mask_copy_layout(BN))
     if HAS_BIAS or HAS_MASK:
         async_copy.commit_group()
 
@@ -267,7 +278,6 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     SCORE_BUFS - 1 youngest groups have.  O_IN_Q: Q's buffer is O's staging buffer, so Q is given back
     (q_empty) by the caller once O's store has read it, not here after the last S GEMM."""
     HM: gl.constexpr = BM // 2
-    gl.static_assert(BN == 128 or not (HAS_BIAS or HAS_MASK), "BIAS_COPY_LAYOUT and MASK_COPY_LAYOUT span 128 keys")
     RING0: gl.constexpr = HALF
     s_layout: gl.constexpr = mma_layout(HM, BN, 4)        # S, P: [HM, BN]
     o_layout: gl.constexpr = mma_layout(HM, BLOCK_D, 4)   # O: [HM, D] (D padded to BLOCK_D)
@@ -286,8 +296,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     # The half's first row as a scalar pointer, its rows as 32-bit offsets from it (plan: 64 rows of
     # the tensors span less than 2**31 elements): held through the loop, 64-bit offsets spilled.
     half_row0 = m0 + HALF * HM
-    bias_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, BIAS_COPY_LAYOUT))
-    mask_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, MASK_COPY_LAYOUT))
+    bias_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, bias_copy_layout(BN)))
+    mask_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, mask_copy_layout(BN)))
     copy_rows_ok = (bias_copy_rows < seqlen_q - half_row0, mask_copy_rows < seqlen_q - half_row0)
     BIAS_ROW = BIAS_ROW + gl.multiple_of(half_row0.to(gl.int64) * bias_stride_s, [8])
     MASK_ROW = MASK_ROW + gl.multiple_of(half_row0.to(gl.int64) * mask_stride_s, [8])

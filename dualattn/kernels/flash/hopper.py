@@ -295,8 +295,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None
-    if not sparse_on_gluon_tiles(sparse) or (width != shapes.head_dim and (shapes.has_bias or shapes.has_mask)):
-        return None   # (bias and mask tiles: D = 64, 128 and 256, not measured at the padded dims)
+    if not sparse_on_gluon_tiles(sparse):
+        return None
     if sparse is not None and width == 256:
         return None   # (its 64-key tiles are not the layout's 128 x 128 blocks)
     if not _warp_specializable(shapes, None, _without_segments(constexprs, "HAS_BIAS", "HAS_MASK", "HAS_DROPOUT"),
@@ -355,8 +355,8 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     """Whether the forward runs the Gluon kernel (launchers that can run Gluon on sm_90 only).
 
     What the warp-specialised kernels need (_warp_specializable), head dims of 64, 128 or 256 and those
-    gluon_tile_width pads (equal for K and V; other than 64 and 128 without a bias, mask or block-sparse
-    layout), a window only as causal or
+    gluon_tile_width pads (equal for K and V; other than 64 and 128 without a block-sparse layout), a window only
+    as causal or
     causal with a left side (sliding windows: Mistral, GPT-OSS), sinks of any count (joined after the
     loop), segment ids (packed documents, not varlen: _warp_specializable), the soft cap (the Triton
     kernels' tanh, softcap_mode), a bias and an attention mask (any broadcast over batch and heads),
@@ -367,10 +367,9 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
     width = gluon_tile_width(shapes.head_dim)
     if flag == "0" or width is None or shapes.head_dim_v != shapes.head_dim:
         return False
-    # Only the tiles they were written for take a bias, a mask (copies span 128 keys, O_SCORES is a tile of D = 128)
-    # and block-sparse layouts (128 x 128 tiles): not D = 256's 64-key tiles, nor padded head dims.
-    if (GLUON_FWD_TILES[width][1] != 128 or width != shapes.head_dim) and (
-            shapes.has_bias or shapes.has_mask or sparse is not None):
+    # Block-sparse layouts only on the tiles they were written for (128 x 128): not D = 256's 64-key tiles, nor
+    # padded head dims.  A bias and a mask take every width (their copies span BLOCK_N keys).
+    if (GLUON_FWD_TILES[width][1] != 128 or width != shapes.head_dim) and sparse is not None:
         return False
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return False
