@@ -2,8 +2,10 @@
 forward kernel time (torch.profiler) of flash_attention with a (B, H, S, S) bool mask, a bf16 bias, both,
 and neither, B = 2, S = 4096, D = 128 (H = 16) and 64 (H = 32), non-causal and causal.
 
-    python benchmarks/ab_score_tiles.py
+    python benchmarks/ab_score_tiles.py [DxH ...]   other head dims and head counts, e.g. 256x8 96x16
 """
+import sys
+
 import torch
 from score_option_times import B, S, SHAPES, score_cases
 
@@ -16,7 +18,8 @@ def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; forward kernel ms, B={B}, S={S}")
     auto = plan.gluon_score_buffers
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for D, H in SHAPES:
+    shapes = [tuple(int(x) for x in arg.split("x")) for arg in sys.argv[1:]] or SHAPES
+    for D, H in shapes:
         q, k, v, _, cases = score_cases(D, H, gen)
         for causal in (False, True):
             for name, kw in cases.items():

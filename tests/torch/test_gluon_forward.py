@@ -505,8 +505,8 @@ SCORED_CASES = {
 def test_plan_holds_score_tiles_twice_where_they_fit():
     """hopper.gluon_score_buffers: two bias / mask tiles per warpgroup where both fit twice beside the
     forward's other buffers (a mask alone at D = 128; a 16-bit bias and a mask at D = 64), or where a 16-bit
-    bias alone at D = 128 keeps its second tiles in O's staging buffers, else one; the plan passes it as
-    SCORE_BUFS."""
+    bias alone at D = 128 keeps its second tiles in O's staging buffers, a 16-bit bias or a mask at D = 256,
+    else one; the plan passes it as SCORE_BUFS."""
     from dualattn.kernels.flash import hopper
 
     def bufs(d, bias=None, mask=False):
@@ -520,6 +520,10 @@ def test_plan_holds_score_tiles_twice_where_they_fit():
     assert [bufs(128, mask=True), bufs(128, "bfloat16"), bufs(128, "float16"), bufs(128, "bfloat16", True),
             bufs(128)] == [2, 2, 2, 1, 1]
     assert [bufs(64, "bfloat16", True), bufs(64, "float16"), bufs(64, "float32"), bufs(64, mask=True)] == [2, 2, 1, 2]
+    # by the tiles' width: D = 96 as 128, D = 192 as 256 (64-key tiles: a 16-bit bias or a mask twice)
+    assert [bufs(96, mask=True), bufs(96, "bfloat16"), bufs(96, "bfloat16", True)] == [2, 2, 1]
+    assert [bufs(d, *args) for d in (256, 192) for args in ((None, True), ("bfloat16",), ("bfloat16", True),
+                                                            ("float32",))] == [2, 2, 1, 1] * 2
 
 
 def test_mask_pairs_reach_the_scores_layout_without_shared_memory():

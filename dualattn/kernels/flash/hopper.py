@@ -331,20 +331,23 @@ def gluon_tile_width(head_dim: int) -> Optional[int]:
 GLUON_FWD_WARPS = 4
 # Its bias and mask tiles each compute warpgroup keeps in flight (forward_gluon._fwd_tile): two where they fit, so
 # that a key tile's copy is issued a whole key tile before its softmax reads it, not one S GEMM before.  What fits
-# beside Q, O and two stages of K and V, in bytes per score of one tile held twice: at D=128 one byte (a mask alone;
-# a 16-bit bias holds its second tiles in O's staging buffers), at D=64 three (a 16-bit bias and a mask).
-GLUON_SCORE_BYTES_TWICE = {64: 3, 128: 1}
+# beside Q, O and two stages of K and V, in bytes per score of one tile held twice, by tile width: at 128 one byte
+# (a mask alone; a 16-bit bias holds its second tiles in O's staging buffers), at 64 three (a 16-bit bias and a
+# mask), at 256 (64-key tiles, O staged in Q's buffers) two (a 16-bit bias or a mask: 229,744 and 213,360 bytes).
+GLUON_SCORE_BYTES_TWICE = {64: 3, 128: 1, 256: 2}
 
 
 def gluon_score_buffers(shapes: FlashShapes) -> int:
     """How many bias and mask tiles the Gluon forward's warpgroups hold (SCORE_BUFS): 2 where both fit twice
-    (GLUON_SCORE_BYTES_TWICE), or for a 16-bit bias alone at D = 128, whose second tiles are O's staging
-    buffers (forward_gluon's O_SCORES); else 1.  A bias of unknown dtype counts as float32."""
+    (GLUON_SCORE_BYTES_TWICE, by the tiles' width: gluon_tile_width), or for a 16-bit bias alone on the
+    128-wide tiles, whose second tiles are O's staging buffers (forward_gluon's O_SCORES); else 1.  A bias of
+    unknown dtype counts as float32."""
     bias_bytes = 2 if shapes.bias_dtype in ("bfloat16", "float16") else 4
-    if shapes.head_dim == 128 and shapes.has_bias and not shapes.has_mask and bias_bytes == 2:
+    width = gluon_tile_width(shapes.head_dim)
+    if width == 128 and shapes.has_bias and not shapes.has_mask and bias_bytes == 2:
         return 2
     per_score = bias_bytes * shapes.has_bias + shapes.has_mask
-    return 2 if 0 < per_score <= GLUON_SCORE_BYTES_TWICE.get(shapes.head_dim, 0) else 1
+    return 2 if 0 < per_score <= GLUON_SCORE_BYTES_TWICE.get(width, 0) else 1
 GLUON_FWD_ENV = "DUALATTN_GLUON_FWD"
 # Block-sparse layouts the Gluon kernels walk: (block_q, block_k), sparse_on_gluon_tiles.
 GLUON_SPARSE_BLOCKS = (128, 128)
