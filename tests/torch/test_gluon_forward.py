@@ -490,7 +490,8 @@ SCORED_CASES = {
     # a 16-bit bias at D = 128 holds its second tiles in O's staging buffers: several items a program, an odd
     # count of key tiles (the last item's O store, then the next item's second tile, in the same buffer)
     "d128-bias-items-share-o-buffers": (1, 4096, 384, 16, 4, 128, {}, ((1, 16), torch.bfloat16), None),
-    # D = 256's 64-key tiles (one tile each in flight), and padded head dims (192 on them, 96 on D = 128's)
+    # D = 256's 64-key tiles (two in flight for a mask or a 16-bit bias alone, else one), and padded head dims
+    # (192 on them, 96 on D = 128's)
     "d256-causal-mask-gqa-softcap": (1, 1024, 1024, 4, 2, 256, dict(causal=True, logits_soft_cap=20.0), None,
                                      (1, 4)),
     "d256-fp32-bias-ragged": (2, 1000, 1104, 2, 2, 256, {}, ((2, 1), torch.float32), None),
@@ -562,21 +563,58 @@ def test_bias_second_tiles_in_o_buffers_fit_shared_memory(monkeypatch):
 def test_gpu_gluon_forward_bias_and_mask(monkeypatch, seed, case):
     """The bias joins S before the cap and the mask after it, tiles copied a key tile ahead; masked
     rows (a query that sees no key) give O = 0 and lse = -inf.  Against the float64 reference,
-    forward and backward (the backward, and dbias, run the portable kernels)."""
+    forward and backward (the bias here wants its gradient, so cases with one run the portable backward, which
+    writes dbias; mask-only cases may run the one-pass backward)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    _check_scored_case(monkeypatch, seed, SCORED_CASES[case], documents=case.endswith("documents"))
+
+
+def _scored_wide_case(seed: int):
+    """A random SCORED_CASES-like case at the head dims the fixed cases leave out (80-240 but 96 and 192): a
+    bias (16-bit or float32, broadcast or not) and / or a mask, GQA, ragged lengths, causal or not; and whether
+    the Gluon forward's tiles fit it (on the 128-wide tiles a 16-bit bias or a mask, on the 256-wide ones
+    anything but a float32 bias with a mask)."""
+    import random
+    rng = random.Random(seed)
+    d = rng.choice([80, 112, 144, 160, 176, 208, 224, 240])
+    b = rng.choice([1, 2])
+    hq, hkv = rng.choice([(2, 1), (4, 2), (4, 4)])
+    bias_spec = rng.choice([None, ((b, hq), torch.bfloat16), ((1, hq), torch.float32), ((b, 1), torch.float16)])
+    mask_shape = rng.choice([None, (b, hq), (1, 1)]) if bias_spec else rng.choice([(b, hq), (1, hq)])
+    f32_bias = bias_spec is not None and bias_spec[1] == torch.float32
+    fits = (not (f32_bias or (bias_spec and mask_shape))) if d < 128 else not (f32_bias and mask_shape)
+    spec = (b, 4 * rng.randrange(32, 200), 8 * rng.randrange(26, 150), hq, hkv, d, {"causal": rng.random() < 0.5},
+            bias_spec, mask_shape)
+    return spec, fits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draw", range(8))
+def test_gpu_gluon_forward_bias_and_mask_wide_heads_at_random(monkeypatch, seed, draw):
+    """_scored_wide_case's random cases against the float64 reference: the Gluon forward where its tiles fit, the
+    portable one where they do not."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    spec, fits = _scored_wide_case(seed + draw)
+    _check_scored_case(monkeypatch, seed, spec, forward=GLUON_FWD if fits else "flash_fwd_kernel")
+
+
+def _check_scored_case(monkeypatch, seed, spec, documents=False, forward=GLUON_FWD):
+    """Run one bias / mask case (SCORED_CASES' form) forward and backward against the float64 reference; the
+    forward's last launch was `forward`."""
     from dualattn.torch_api import flash_attention
     from reference import assert_close_rel, reference_attention
-    b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape = SCORED_CASES[case]
+    b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape = spec
     dtype = bias_spec[1] if bias_spec and bias_spec[1] == torch.float16 else torch.bfloat16
     q, k, v, dout, extra = scored_inputs(b, sq, sk, hq, hkv, d, opts, bias_spec, mask_shape, seed,
-                                         documents=case.endswith("documents"), dtype=dtype)
+                                         documents=documents, dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     if bias_spec:
         extra["bias"].requires_grad_()
     chains = spy_chains(monkeypatch)
     out, lse = flash_attention(*leaves, return_lse=True, **extra)
-    assert [c[-1] for c in chains] == [GLUON_FWD], chains
+    assert chains[-1][-1] == forward, (spec, chains)
     grad_leaves = leaves + ([extra["bias"]] if bias_spec else [])
     grads = torch.autograd.grad(out, grad_leaves, dout)
     ref_extra = dict(extra)

@@ -583,8 +583,8 @@ def flash_fwd_gluon_kernel(
     mask_tile: gl.constexpr = [2 * SCORE_BUFS, HM, BLOCK_N] if HAS_MASK else [2 * SCORE_BUFS, 8, 8]
     bias_bufs = gl.allocate_shared_memory(bias_ty, bias_tile, gl.SwizzledSharedLayout(
         128 // bias_ty.primitive_bitwidth, 1, 8, [1, 0]))
-    # O_SCORES: a 16-bit bias whose tiles are O's size (D = 128) holds its second tiles in O's staging buffers,
-    # idle through the key loop, so that two fit (hopper.gluon_score_buffers).
+    # O_SCORES: a 16-bit bias whose tiles are O's size (the 128-wide tiles) holds its second tiles in O's staging
+    # buffers, idle through the key loop, so that two fit (hopper.gluon_score_buffers).
     O_SCORES: gl.constexpr = (HAS_BIAS and SCORE_BUFS == 2 and BLOCK_D == BLOCK_N
                               and bias_ty.primitive_bitwidth == 16)
     # O_IN_Q: at D = 256 Q, two stages of K and V and O's own buffers would take 256 KB; O is staged in Q's

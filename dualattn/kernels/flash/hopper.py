@@ -344,7 +344,8 @@ def gluon_score_buffers(shapes: FlashShapes) -> int:
     unknown dtype counts as float32."""
     bias_bytes = 2 if shapes.bias_dtype in ("bfloat16", "float16") else 4
     width = gluon_tile_width(shapes.head_dim)
-    if width == 128 and shapes.has_bias and not shapes.has_mask and bias_bytes == 2:
+    o_sized = width is not None and GLUON_FWD_TILES[width][1] == width   # (O_SCORES: BLOCK_D == BLOCK_N)
+    if o_sized and shapes.has_bias and not shapes.has_mask and bias_bytes == 2:
         return 2
     per_score = bias_bytes * shapes.has_bias + shapes.has_mask
     return 2 if 0 < per_score <= GLUON_SCORE_BYTES_TWICE.get(width, 0) else 1

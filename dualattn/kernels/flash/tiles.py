@@ -116,9 +116,10 @@ SHORT_WINDOW_FWD_TILE = TileConfig(64, 64, 4, 3)
 SHORT_WINDOW_DKDV_TILE = TileConfig(32, 64, 4, 3)
 SHORT_WINDOW_DQ_TILE = TileConfig(64, 32, 4, 3)
 SHORT_WINDOW_BWD_TILE_KEYS = {64: 128, 128: 512}
-# The portable forward with a bias or an attention mask at head dims above 128 (the Gluon forward takes them on
-# sm_90 where its score tiles fit; this serves sm_80 and a float32 bias with a mask at D = 256): the tuned 128 x 64
-# tile spills 1-3 KB a thread (sm_90a, ptxas 3.6), 64 x 32 on 4 warps 0.5 KB.  H200, B=2, H=8, S=4096, D=256,
+# The portable forward with a bias or an attention mask at head dims above 128 on sm_90 (the Gluon forward takes
+# them where its score tiles fit; this serves a float32 bias with a mask at D = 144-256, and launchers without
+# Gluon): the tuned 128 x 64 tile spills 1-3 KB a thread (sm_90a, ptxas 3.6), 64 x 32 on 4 warps 0.5 KB (the
+# heuristic tile where nothing is tuned, as on sm_80).  H200, B=2, H=8, S=4096, D=256,
 # forward kernel time (benchmarks/ab_portable_score_tiles.py; NOTES: "The portable forward's tile with a bias at
 # D = 256"): float32 bias and mask 9.91 ms -> 3.30; 16-bit bias (Gluon off) 3.75 -> 2.51.  At D = 96 and 128 the
 # plan's own tile (shrunk by fit to 64 x 128 / 8 warps) stayed fastest.
