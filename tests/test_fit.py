@@ -48,8 +48,9 @@ def _fitted(variant, arch):
     fwd = fit.forward(shapes, options, strides, **kw)
     dtypes = {**dtypes, "out": variant.dtype, "dout": variant.dtype, "lse": "float32", "dlse": "float32"}
     bwd = fit.backward(shapes, options, strides, lse_grad=variant.lse_grad, **{**kw, "dtypes": dtypes})
+    # (dq_accum: the one-pass backward's fp32 dQ, which its dq launch converts)
     return config, fwd, bwd, {**dtypes, "delta": "float32", "resume_out": variant.dtype, "resume_lse": "float32",
-                              "segment_ranges": "int32"}
+                              "segment_ranges": "int32", "dq_accum": "float32"}
 
 
 def _assert_all_fit(variant, arch, why=""):
@@ -101,6 +102,15 @@ def test_a_random_sample_of_option_combinations_fits_sm90_and_sm80():
         variant = _random_variant(rng)
         for arch in (90, 80):
             _assert_all_fit(variant, arch, f" (DUALATTN_TEST_SEED={seed} reproduces this sample)")
+
+
+def test_a_sample_on_the_one_pass_backward_is_checked_whole():
+    """Padded head dims take the one-pass backward from 512 keys, which the random sample's lengths reach: its dq
+    launch converts the fp32 dQ accumulator (dq_accum), whose dtype the check must be given."""
+    variant = Variant("one-pass-d144-dropout", dtype="float16", d=144, sq=1024, sk=1024, hq=4, hkv=2, dropout=0.1,
+                      ws=True)
+    _, _, bwd = _assert_all_fit(variant, 90)
+    assert (bwd.dkdv.kernel, bwd.dq.kernel) == ("flash_bwd_one_pass_kernel", "flash_bwd_dq_convert_kernel")
 
 
 def test_a_layout_whose_blocks_cannot_fit_is_a_value_error_naming_it():
