@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .gluon_shared import (capped_tanh, copy_score_tile, load_rows, masked_bits, mma_layout, partition_barrier,
-                           scores_landed)
+                           score_copy_layout, scores_landed)
 from .rules import ONE_PASS_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
 @builtin
@@ -330,7 +330,7 @@ def _fetch_next_scores(bias_buf, BIAS_HEAD, mask_buf, MASK_HEAD, bias_stride_s, 
     """Start copying the [BM, BN] tiles at (m0, n0) of the bias and the mask (rows = queries) into
     their buffers, one commit group (gluon_shared.copy_score_tile): runs of 8 keys a thread, a warp's lanes
     across a row's BN keys."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [NUM_WARPS, 1], [1, 0])
+    layout: gl.constexpr = score_copy_layout(BN, NUM_WARPS)
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     rows_ok = rows < seqlen_q - m0
     if HAS_BIAS:

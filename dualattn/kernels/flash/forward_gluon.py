@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .gluon_shared import (capped_tanh, copy_score_tile, load_rows, masked_scores, mma_layout, partition_barrier,
-                           scores_landed)
+                           score_copy_layout, scores_landed)
 from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
 
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
@@ -44,17 +44,10 @@ SPARSE_RUNS = gl.constexpr(2)
 
 
 @gluon.constexpr_function
-def bias_copy_layout(BN):
-    """How one warpgroup copies a [64, BN] tile of the bias: 8 consecutive elements a thread, 16-byte copies
-    (L1 bypassed), a warp's lanes across a row's BN keys so that it covers whole sectors."""
-    return gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [4, 1], [1, 0])
-
-
-@gluon.constexpr_function
 def mask_copy_layout(BN):
     """How one warpgroup copies a [64, BN] tile of the mask: half of one row a thread, one row offset where the
-    bias's layout has eight; copied like the mask, the bias's half-sector requests ran it 1.2-1.8x slower
-    (NOTES: "Score tiles: row offsets, not spills")."""
+    bias's layout (gluon_shared.score_copy_layout) has eight; copied like the mask, the bias's half-sector
+    requests ran it 1.2-1.8x slower (NOTES: "Score tiles: row offsets, not spills")."""
     return gl.BlockedLayout([1, BN // 2], [16, 2], [4, 1], [1, 0])
 
 
@@ -242,7 +235,7 @@ def _fetch_next_scores(bias_buf, BIAS_ROW, bias_rows, mask_buf, MASK_ROW, mask_r
     bias_ok, mask_ok = rows_ok
     if HAS_BIAS:
         copy_score_tile(bias_buf, BIAS_ROW, bias_rows[0], bias_rows[1], bias_ok, n0, seqlen_k, BN,
-                        bias_copy_layout(BN))
+                        score_copy_layout(BN, 4))
     if HAS_MASK:
         copy_score_tile(mask_buf, MASK_ROW, mask_rows[0], mask_rows[1], mask_ok, n0, seqlen_k, BN,
                         mask_copy_layout(BN))
@@ -296,7 +289,7 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     # The half's first row as a scalar pointer, its rows as 32-bit offsets from it (plan: 64 rows of
     # the tensors span less than 2**31 elements): held through the loop, 64-bit offsets spilled.
     half_row0 = m0 + HALF * HM
-    bias_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, bias_copy_layout(BN)))
+    bias_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, score_copy_layout(BN, 4)))
     mask_copy_rows = gl.arange(0, HM, layout=gl.SliceLayout(1, mask_copy_layout(BN)))
     copy_rows_ok = (bias_copy_rows < seqlen_q - half_row0, mask_copy_rows < seqlen_q - half_row0)
     BIAS_ROW = BIAS_ROW + gl.multiple_of(half_row0.to(gl.int64) * bias_stride_s, [8])

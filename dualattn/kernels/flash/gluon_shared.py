@@ -44,6 +44,14 @@ def capped_tanh(x, SOFTCAP: gl.constexpr):
         return 1.0 - 2.0 / (gl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
+@gluon.constexpr_function
+def score_copy_layout(BN, num_warps):
+    """A copy layout of [rows, BN] score tiles (copy_score_tile) over `num_warps` warps: 8 consecutive elements a
+    thread (16-byte copies of a 16-bit bias, L1 bypassed), a warp's lanes across a row's BN keys, so that each
+    warp's requests cover whole sectors."""
+    return gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def copy_score_tile(buf, ROW, rows, stride, row_ok, n0, seqlen_k, BN: gl.constexpr, LAYOUT: gl.constexpr):
     """Start copying keys n0.. of some rows of a per-score tensor (bias, attention mask) into `buf`
