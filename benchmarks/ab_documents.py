@@ -10,7 +10,7 @@ default) against loops of their own (DUALATTN_EDGES_IN_LOOP=0).  `one-pass` comp
 backward (the default from 4096 keys on Hopper) against the two-pass one (DUALATTN_ONE_PASS=0).
 `--seqlen` sets S (8 equal documents; S = 16000 leaves a partial last key tile).  Each setting is
 timed twice, alternating, in one process (do_bench medians); effective TFLOP/s count
-the allowed (causal, same-document) pairs only, as bench_options.py does.
+the allowed (causal, same-document) pairs only, as `python -m dualattn.bench --cases options` does.
 """
 import argparse
 

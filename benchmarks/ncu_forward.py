@@ -11,7 +11,8 @@ its duration, warp-stall shares, executed instructions by opcode and the most-sa
     python benchmarks/ncu_forward.py summary prof plain mask bias
 
 Cases: B = 2, H = 16, D = 128, bf16, S = 4096 (plain, mask (90% kept), bias, dropout 0.1) or S = 8192
-(causal, window: causal with a (1023, 0) window); a `_d64` suffix makes it H = 32, D = 64.
+(causal, window: causal with a (1023, 0) window); a `_causal` suffix makes the S = 4096 cases causal
+(plain_causal, mask_causal, ...), a `_d64` suffix makes any case H = 32, D = 64.
 """
 import collections
 import csv
@@ -28,8 +29,9 @@ def run(name: str) -> None:
     if name.endswith("_d64"):
         H, D = 32, 64
     base = name.removesuffix("_d64")
-    causal = base in ("causal", "window")
-    S = 8192 if causal else S
+    causal = base in ("causal", "window") or base.endswith("_causal")
+    S = 8192 if base in ("causal", "window") else S
+    base = base.removesuffix("_causal")
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     kw = {"window": dict(sliding_window=(1023, 0)), "dropout": dict(dropout_prob=0.1, dropout_seed=1),
           "mask": dict(attention_mask=torch.rand(B, H, S, S, device="cuda", generator=gen) < 0.9),

@@ -1,20 +1,16 @@
-"""CPU dry run of benchmarks/bench_options.py: cases, exact pair counts, the correctness guard, the JSON."""
+"""CPU dry run of `python -m dualattn.bench --cases ...` (dualattn/bench/options.py): cases, exact pair
+counts, the correctness guard, the JSON, the plot."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
+import subprocess
 import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_options.py"
-_spec = importlib.util.spec_from_file_location("bench_options", _PATH)
-bench_options = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench_options  # dataclasses look their module up there
-_spec.loader.exec_module(bench_options)
+from dualattn.bench import options as bench_options  # noqa: E402
 
 
 def _case(name):
@@ -77,3 +73,16 @@ def test_cpu_dry_run_times_jax_with_a_bias_and_a_mask(tmp_path):
         for mode in ("fwd", "fwdbwd"):
             jax_row = rows[(case, "dualattn-jax-triton", mode)]
             assert jax_row["status"] == "ok" and jax_row["err"] < 2e-2 and jax_row["tflops"] > 0, jax_row
+
+
+def test_the_package_entry_point_runs_the_options_cases(tmp_path):
+    """`python -m dualattn.bench --cases ...` is the options benchmark; --from-json redraws a run's plot."""
+    out, png = tmp_path / "options.json", tmp_path / "options.png"
+    run = subprocess.run([sys.executable, "-m", "dualattn.bench", "--device", "cpu", "--cases", "softcap_causal",
+                          "--out", str(out), "--markdown"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "| softcap_causal | soft_cap |" in run.stdout
+    assert {r["case"] for r in json.loads(out.read_text())["rows"]} == {"plain_causal", "softcap_causal"}
+    pytest.importorskip("matplotlib")
+    assert bench_options.main(["--from-json", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0

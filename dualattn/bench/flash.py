@@ -5,6 +5,7 @@
         --out benchmarks/results/NAME.json --plot benchmarks/results/NAME.png
     python -m dualattn.bench --batch 2 --seqlen 8192          # one explicit shape
     python -m dualattn.bench --memory --seqlens 8192,16384,32768,65536,131072
+    python -m dualattn.bench --cases options --quick --markdown   # every option: dualattn/bench/options.py
 
 TFLOP/s = FLOPs / median time of triton.testing.do_bench; FLOPs fwd = 4*B*H*S*S*D (halved causal),
 fwd+bwd = 3.5x fwd. Before timing, each system's forward is checked against fp32 torch SDPA (math) on

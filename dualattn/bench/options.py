@@ -1,8 +1,9 @@
 """Every flash option against the same shape without it, and against the best peer that expresses it.
 
-    python benchmarks/bench_options.py --quick --markdown                  # all cases on the GPU
-    python benchmarks/bench_options.py --cases softcap_causal,docs_varlen --jax --out run.json
-    python benchmarks/bench_options.py --device cpu --cases softcap_causal  # dry run: tiny shapes, interpreter
+    python -m dualattn.bench --cases options --quick --markdown --plot options.png  # every case on the GPU
+    python -m dualattn.bench --cases softcap_causal,docs_varlen --jax --out run.json
+    python -m dualattn.bench --cases softcap_causal --device cpu   # dry run: tiny shapes, interpreter
+    python -m dualattn.bench --cases options --from-json run.json --plot run.png   # a run's table and plot again
 
 One process, bf16, random-normal BSHD inputs. Each case runs dualattn torch (and with --jax the jitted
 jax Triton path) and the peers that can express its option: torch SDPA (cuDNN, flash, efficient
@@ -37,11 +38,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
-
-from dualattn.bench import report  # noqa: E402
-from dualattn.bench.flash import throughput_ms, versions  # noqa: E402
-from dualattn.bench.systems import FRONT_ENDS, import_jax, keep_env, make_inputs, rel_error  # noqa: E402
+from . import report
+from .flash import kernel_times, throughput_ms, versions
+from .systems import FRONT_ENDS, import_jax, keep_env, make_inputs, rel_error
 
 MODES = ("fwd", "fwdbwd")
 SOFT_CAP, DROPOUT, DROPOUT_SEED, MASK_KEEP = 50.0, 0.1, 1234, 0.9
@@ -303,7 +302,7 @@ def flex(p: Problem) -> Callable:
     """FlexAttention with the case's mask as a block mask, soft cap as a score_mod, sinks through the lse."""
     import torch
     from torch.nn.attention import flex_attention as fa
-    from dualattn.bench.systems import _compiled_flex
+    from .systems import _compiled_flex
     c, seg, run = p.case, p.segments, _compiled_flex()
     mods = ([lambda b, h, qi, ki: ki <= qi] if c.causal else []) + \
         ([lambda b, h, qi, ki: qi - ki <= c.window] if c.window is not None else []) + \
@@ -358,12 +357,14 @@ def one_call_ms(step) -> float:
 
 
 def measure(p: Problem, key: str, front_end: str, build: Callable, refs: dict, pairs: int, timer: Callable,
-            tol: float) -> List[dict]:
-    """Rows (one per mode) of one system on one case. Never raises: failures become the rows' notes."""
+            tol: float, kernels: bool = False) -> List[dict]:
+    """Rows (one per mode) of one system on one case. Never raises: failures become the rows' notes.
+    `kernels`: dualattn's rows also get the kernels' own time per call (torch.profiler: kernel_ms)."""
     c = p.case
     base = dict(case=c.name, options=c.options, system=key, B=c.B, S=c.S, H=c.H, D=c.D, causal=c.causal,
                 pairs=pairs, density=pairs / (c.B * c.H * c.S * c.S), status="ok", ms=None, tflops=None,
-                ratio_to_base=None, ratio_to_peer=None, err=None, note=None)
+                ratio_to_base=None, ratio_to_peer=None, kernel_ms=None, kernel_tflops=None,
+                kernel_ratio_to_base=None, err=None, note=None)
     front = FRONT_ENDS[front_end]
     with keep_env("TRITON_CACHE_DIR"):
         try:
@@ -384,8 +385,13 @@ def measure(p: Problem, key: str, front_end: str, build: Callable, refs: dict, p
         for mode in MODES:
             row = dict(base, mode=mode)
             try:
-                ms = timer(fwd if mode == "fwd" else front.make_step(attn, p.inputs, mode))
-                row.update(ms=ms, tflops=4 * c.D * pairs * (3.5 if mode == "fwdbwd" else 1) / (ms * 1e-3) / 1e12)
+                step = fwd if mode == "fwd" else front.make_step(attn, p.inputs, mode)
+                flops = 4 * c.D * pairs * (3.5 if mode == "fwdbwd" else 1)
+                ms = timer(step)
+                row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                if kernels and key.startswith("dualattn"):   # the GPU's own time: what the host adds is the rest
+                    kernel_ms = sum(kernel_times(step, calls=5).values())
+                    row.update(kernel_ms=kernel_ms, kernel_tflops=flops / (kernel_ms * 1e-3) / 1e12)
             except Exception as e:
                 row.update(status="error", note=f"error: {report.describe_error(e)}")
             rows.append(row)
@@ -398,7 +404,7 @@ def run_case(case: Case, args, timer: Callable) -> List[dict]:
     rows = []
     for key, (front_end, build) in systems_for(p, args.jax).items():
         print(f"# {case.name}: {key}", file=sys.stderr, flush=True)
-        rows += measure(p, key, front_end, build, refs, pairs, timer, args.tol)
+        rows += measure(p, key, front_end, build, refs, pairs, timer, args.tol, kernels=args.device == "cuda")
         if args.device == "cuda":  # gc.collect costs ~0.3 s with torch loaded: only where memory matters
             import torch
             gc.collect()
@@ -409,11 +415,15 @@ def run_case(case: Case, args, timer: Callable) -> List[dict]:
 def fill_ratios(rows: List[dict], bases: Dict[str, str]) -> None:
     """ratio_to_base (same system, option-free case of the same shape) and ratio_to_peer (fastest correct peer)."""
     tflops = {(r["case"], r["system"], r["mode"]): r["tflops"] for r in rows if r["status"] == "ok"}
+    kernel = {(r["case"], r["system"], r["mode"]): r.get("kernel_tflops") for r in rows if r["status"] == "ok"}
     for r in rows:
         if r["tflops"] is None:
             continue
         own = tflops.get((bases[r["case"]], r["system"], r["mode"]))
         r["ratio_to_base"] = r["tflops"] / own if own else None
+        own_kernel = kernel.get((bases[r["case"]], r["system"], r["mode"]))
+        if r.get("kernel_tflops") and own_kernel:
+            r["kernel_ratio_to_base"] = r["kernel_tflops"] / own_kernel
         peers = [t for (case, system, mode), t in tflops.items()
                  if case == r["case"] and mode == r["mode"] and not system.startswith("dualattn")]
         if r["system"].startswith("dualattn") and peers:
@@ -423,11 +433,11 @@ def fill_ratios(rows: List[dict], bases: Dict[str, str]) -> None:
 def markdown(rows: List[dict]) -> str:
     """One line per case as in issue #31: TFLOP/s fwd / fwd+bwd, ratios to the option-free case and the peer."""
     def pair(sel, field="tflops", fmt="{:.3g}"):
-        vals = [next((r[field] for r in sel if r["mode"] == m), None) for m in MODES]
+        vals = [next((r.get(field) for r in sel if r["mode"] == m), None) for m in MODES]
         return " / ".join("-" if v is None else fmt.format(v) for v in vals)
 
-    lines = ["| case | options | dualattn | ÷ option-free | best peer | dualattn ÷ peer | jax |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | options | dualattn | ÷ option-free | kernels ÷ option-free | best peer | dualattn ÷ peer | jax |",
+             "|---|---|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r["case"] for r in rows):
         sel = [r for r in rows if r["case"] == case]
         ours = [r for r in sel if r["system"] == "dualattn-torch"]
@@ -437,10 +447,47 @@ def markdown(rows: List[dict]) -> str:
         notes = "; ".join(sorted({f"{r['system']}: {r['note']}" for r in sel if r["status"] in ("error", "wrong")}))
         jax = [r for r in sel if r["system"] == "dualattn-jax-triton"]
         lines.append(f"| {case} | {sel[0]['options']} | {pair(ours)} | {pair(ours, 'ratio_to_base', '{:.2f}x')} | "
+                     f"{pair(ours, 'kernel_ratio_to_base', '{:.2f}x')} | "
                      + (f"{best['system']} {pair(best_rows)}" if best else "-")
                      + f" | {pair(ours, 'ratio_to_peer', '{:.2f}x')} | {pair(jax) if jax else ''} |"
                      + (f" {notes}" if notes else ""))
     return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: str, title: str = "") -> str:
+    """Bars per case with an option: dualattn's ratio to the option-free case (issue #31's measure) and to
+    the fastest peer, fwd and fwd+bwd. Returns a line that says what was written (or why nothing was)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"plot skipped: matplotlib is not importable ({e})"
+    ours = [r for r in rows if r["system"] == "dualattn-torch" and r["options"] != "none" and r["tflops"]]
+    cases = list(dict.fromkeys(r["case"] for r in ours))
+    if not cases:
+        return "plot skipped: no timed case with an option"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.32 * len(cases) + 1.6), sharey=True)
+    for ax, field, label in ((axes[0], "ratio_to_base", "÷ the same shape without the option"),
+                             (axes[1], "ratio_to_peer", "÷ the fastest peer")):
+        for k, mode in enumerate(MODES):
+            vals = {r["case"]: r[field] for r in ours if r["mode"] == mode and r[field] is not None}
+            ys = [i + (k - 0.5) * 0.4 for i, c in enumerate(cases) if c in vals]
+            ax.barh(ys, [vals[c] for c in cases if c in vals], height=0.4,
+                    label="fwd" if mode == "fwd" else "fwd+bwd")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel(label)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(cases)), cases, fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].legend(loc="lower right", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot written to {path}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +497,8 @@ def markdown(rows: List[dict]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--cases", default="all", help="'all' or a comma list of: " + ",".join(c.name for c in CASES))
+    ap.add_argument("--cases", default="options",
+                    help="'options' (or 'all': every case) or a comma list of: " + ",".join(c.name for c in CASES))
     ap.add_argument("--quick", action="store_true", help="shorter timing rounds (50 ms x 3 instead of 200 ms x 5)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--jax", action="store_true", help="also dualattn.jax_api (backend='triton', jit)")
@@ -458,9 +506,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON path (default benchmarks/results/<date>_<device>_options.json)")
     ap.add_argument("--markdown", action="store_true", help="print the results as a markdown table")
+    ap.add_argument("--plot", help="write a PNG of the ratios to the option-free case and to the peer (matplotlib)")
+    ap.add_argument("--from-json", help="no measuring: print the table of a results JSON (and --plot it)")
     args = ap.parse_args(argv)
     by_name = {c.name: c for c in CASES}
-    names = list(by_name) if args.cases == "all" else [n.strip() for n in args.cases.split(",") if n.strip()]
+    every = args.cases in ("options", "all")
+    names = list(by_name) if every else [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in by_name]
     if unknown or not names:
         ap.error(f"unknown case(s) {','.join(unknown)}; choose 'all' or from {','.join(by_name)}")
@@ -481,14 +532,22 @@ def device_slug(name: str) -> str:
 def main(argv=None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before anything imports jax
     args = parse_args(argv)
+    if args.from_json:  # e.g. plot on a machine with matplotlib what a GPU machine measured
+        import json
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        print(markdown(doc["rows"]))
+        if args.plot:
+            print(plot(doc["rows"], args.plot, doc["meta"]["device"]))
+        return 0
     import torch
     import triton
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: torch.cuda.is_available() is False (use --device cpu for a dry run)")
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     date = datetime.now(timezone.utc)
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"{date:%Y-%m-%d}_{device_slug(device)}_options.json")
+    results = "benchmarks/results" if os.path.isdir("benchmarks/results") else "."   # (the repository's root)
+    out_path = args.out or os.path.join(results, f"{date:%Y-%m-%d}_{device_slug(device)}_options.json")
     if args.device == "cpu":
         timer = one_call_ms
     else:
@@ -507,6 +566,8 @@ def main(argv=None) -> int:
         write_json(out_path, meta, rows)  # after every case: a run cut short keeps what it measured
     if args.markdown:
         print(markdown(rows))
+    if args.plot:
+        print(plot(rows, args.plot, f"{device}, bf16, {date:%Y-%m-%d}"))
     print(f"results written to {out_path}")
     return 0
 
