@@ -22,6 +22,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from dualattn.kernels import compile_check  # noqa: E402
+from dualattn.kernels.flash import fit  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan  # noqa: E402
 from dualattn.kernels.launch import row_major_strides  # noqa: E402
 from dualattn.options import FlashOptions  # noqa: E402
@@ -68,6 +69,7 @@ class Variant:
     ws: bool = False                    # allow the warp-specialised kernels, as the launchers do on sm_90
     num_sms: int = 0                    # the GPU's SMs as the launchers pass them (persistent launches)
     hardware_tanh: bool = True          # as every GPU launch is planned (fit.py): 16-bit soft caps take tanh.approx
+    fitted: bool = False                # planned through fit.py, as the launchers plan (the slow tier)
 
     def inputs(self):
         """(stand-ins for the arrays a front end passes, max_seqlen_q, max_seqlen_k)."""
@@ -113,7 +115,9 @@ class Variant:
         return arrays, shapes, options
 
     def build(self, arch: int):
-        """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them."""
+        """(forward Launch, BackwardPlan, input dtypes) as a GPU launch on sm_<arch> would get them.  `fitted`: planned
+        through fit.py, as the launchers plan, so that a tile too large for the arch's shared memory is the smaller
+        one a launch would run (the default tier's variants fit their planned tiles, and skip fit's compiles)."""
         arrays, shapes, options = self.problem()
         out = _array(flash_plan.out_shape(shapes), self.dtype)
         strides = {k: row_major_strides(a.shape) for k, a in {**arrays, "out": out}.items()}
@@ -126,12 +130,6 @@ class Variant:
             nq, nk = -(-self.sq // bq), -(-self.sk // bk)
             extra["sparse"] = flash_plan.SparseInfo(1, self.hq, nq, nk, bq, bk)
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
-        fwd = flash_plan.plan_forward(shapes, options, strides, config=config, tma=self.tma,
-                                      warp_specialize=self.ws, num_sms=self.num_sms, hardware_tanh=self.hardware_tanh,
-                                      **extra)
-        bwd = flash_plan.plan_backward(shapes, options, strides, config=config, tma=self.tma,
-                                       lse_grad=self.lse_grad, warp_specialize=self.ws, num_sms=self.num_sms,
-                                       hardware_tanh=self.hardware_tanh, **extra)
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
                       resume_out=self.dtype, resume_lse="float32",   # a split band's edges launch
                       segment_ranges="int32")                        # (segments.py)
@@ -139,6 +137,13 @@ class Variant:
             dtypes["dlse"] = "float32"
         if self.dropout > 0:
             dtypes["dropout_seed"] = "int32"   # (1,) int32 array, so JAX can trace the seed
+        launch = dict(config=config, tma=self.tma, warp_specialize=self.ws, num_sms=self.num_sms,
+                      hardware_tanh=self.hardware_tanh, **extra)
+        if self.fitted:
+            launch.update(arch=arch, max_shared=fit.MAX_SHARED_BYTES[arch], dtypes=dtypes)
+        fwd = (fit.forward if self.fitted else flash_plan.plan_forward)(shapes, options, strides, **launch)
+        bwd = (fit.backward if self.fitted else flash_plan.plan_backward)(shapes, options, strides,
+                                                                          lse_grad=self.lse_grad, **launch)
         return fwd, bwd, dtypes
 
     def launch(self, kernel: str, arch: int, head: bool = False):
@@ -189,8 +194,8 @@ def _opt_name(o):
     return "-".join(f"{k}={v}" for k, v in o.items() if k != "dtype").replace(" ", "")
 
 
-SLOW = tuple(Variant(f"{o.get('dtype', 'bfloat16')}-d128-{_opt_name(o)}", **o) for o in _OPTIONS) + tuple(
-    Variant(f"{dt}-d{d}" + (f"-dv{dv}" if dv else ""), dtype=dt, d=d, dv=dv)
+SLOW = tuple(Variant(f"{o.get('dtype', 'bfloat16')}-d128-{_opt_name(o)}", fitted=True, **o) for o in _OPTIONS) + tuple(
+    Variant(f"{dt}-d{d}" + (f"-dv{dv}" if dv else ""), dtype=dt, d=d, dv=dv, fitted=True)
     for dt in ("bfloat16", "float16", "float32")
     for d, dv in ((64, None), (128, None), (80, None), (256, None), (128, 64), (64, 256)))
 
