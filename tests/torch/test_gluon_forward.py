@@ -500,6 +500,10 @@ SCORED_CASES = {
     "d192-causal-bias-mask-gqa": (2, 768, 768, 4, 2, 192, dict(causal=True), ((2, 4), torch.bfloat16), (2, 4)),
     "d96-mask-cross": (1, 512, 2048, 4, 4, 96, {}, None, (1, 4)),
     "d96-causal-fp16-bias-ragged": (2, 1000, 1000, 4, 2, 96, dict(causal=True), ((1, 4), torch.float16), None),
+    # (the load warp as the default partition: hopper.gluon_load_first)
+    "d128-causal-mask-window-ragged": (2, 1000, 1000, 4, 4, 128, dict(causal=True, sliding_window=(300, 0)), None,
+                                       (2, 4)),
+    "d96-causal-mask-cross": (1, 700, 1400, 4, 2, 96, dict(causal=True), None, (1, 4)),
 }
 
 
@@ -525,6 +529,37 @@ def test_plan_holds_score_tiles_twice_where_they_fit():
     assert [bufs(96, mask=True), bufs(96, "bfloat16"), bufs(96, "bfloat16", True)] == [2, 2, 1]
     assert [bufs(d, *args) for d in (256, 192) for args in ((None, True), ("bfloat16",), ("bfloat16", True),
                                                             ("float32",))] == [2, 2, 1, 1] * 2
+
+
+def test_plan_runs_the_load_warp_first_for_causal_masks_on_128_wide_tiles():
+    """hopper.gluon_load_first: the load warp is the default partition (LOAD_FIRST) for a causal mask at D = 96-128,
+    and for nothing else."""
+    def load_first(d, causal, mask=False, bias=False):
+        launch = _plan(d=d, causal=causal, mask=mask, bias=bias)
+        assert launch.kernel == GLUON_FWD
+        return launch.constexpr_dict["LOAD_FIRST"]
+    assert [load_first(128, True, mask=True), load_first(96, True, mask=True)] == [True, True]
+    assert [load_first(128, False, mask=True), load_first(128, True, bias=True), load_first(128, True),
+            load_first(64, True, mask=True), load_first(256, True, mask=True)] == [False] * 5
+
+
+def test_load_warp_first_spills_less_for_the_causal_mask(monkeypatch):
+    """The causal masked forward at D = 128 with the load warp as the default partition (both compute warpgroups
+    240-register workers) spills less than with the first compute warpgroup as the default, whose key loop then
+    reloads spilled registers on every key tile (NOTES: "The causal mask at D = 128 spills in one warpgroup's
+    loop"); both orders compile within sm_90's shared memory."""
+    dtypes = {**dict.fromkeys(("query", "key", "value", "out"), "bfloat16"), "lse": "float32", "attention_mask": "int8"}
+    spills = {}
+    for first in (True, False):
+        monkeypatch.setattr(flash_plan, "gluon_load_first", lambda shapes, causal, first=first: first)
+        flash_plan.forget_plans()
+        launch = _plan(d=128, causal=True, mask=True, sq=4096, sk=4096)
+        assert launch.kernel == GLUON_FWD and launch.constexpr_dict["LOAD_FIRST"] == first
+        compiled = compile_check.compile_launch(launch, dtypes, arch=90)
+        assert compiled.metadata.shared <= 232448
+        spills[first] = compile_check.ptxas_usage(compiled, 90)[1]
+    flash_plan.forget_plans()
+    assert spills[True] < spills[False], spills
 
 
 def test_mask_pairs_reach_the_scores_layout_without_shared_memory():

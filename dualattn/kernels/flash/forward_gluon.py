@@ -7,8 +7,9 @@ the partitions are written out, as in FA3:
     tiles through a STAGES-deep ring (separate ready barriers: S = Q K^T starts before V lands;
     separate empty barriers: K_j is given back once S_j is computed, so K_{j+STAGES} arrives
     during the softmax rather than after P_j V_j, which left every S GEMM waiting on a load).
-  * two compute warpgroups (the default partition and a worker, 4 warps and 240 registers each),
-    each owning one 64-row half of the query tile: independent instruction streams, so one's
+  * two compute warpgroups (the default partition and a worker, 4 warps each; or, LOAD_FIRST, both workers of 240
+    registers with the load warp the default partition: hopper.gluon_load_first), each owning one 64-row half of
+    the query tile: independent instruction streams, so one's
     softmax (exp2 on the SFU) overlaps the other's wgmma.  Within a warpgroup the loop is software
     pipelined: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued together, and the softmax of
     S_{j+1} runs as soon as S_{j+1} is back, with O += P_j V_j still on the tensor cores.  No
@@ -45,10 +46,12 @@ SPARSE_RUNS = gl.constexpr(2)
 
 @gluon.constexpr_function
 def mask_copy_layout(BN):
-    """How one warpgroup copies a [64, BN] tile of the mask: half of one row a thread, one row offset where the
-    bias's layout (gluon_shared.score_copy_layout) has eight; copied like the mask, the bias's half-sector
-    requests ran it 1.2-1.8x slower (NOTES: "Score tiles: row offsets, not spills")."""
-    return gl.BlockedLayout([1, BN // 2], [16, 2], [4, 1], [1, 0])
+    """How one warpgroup copies a [64, BN] tile of the mask: 32 bytes of a row a thread (two of the buffer's 16-byte
+    swizzle units, so two shared-memory destinations a row where half a row took four, held through the key loop:
+    NOTES, "A causal mask at D = 128: the load warp as the default partition"), BN // 32 threads a row, 2 or 4 row
+    offsets where the bias's layout (gluon_shared.score_copy_layout) has eight; copied like the mask, the bias's
+    half-sector requests ran it 1.2-1.8x slower (NOTES: "Score tiles: row offsets, not spills")."""
+    return gl.BlockedLayout([1, 32], [32 // (BN // 32), BN // 32], [4, 1], [1, 0])
 
 
 @gluon.jit
@@ -489,6 +492,45 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
     tma.store_wait(0)
 
 
+# _fwd_partition's roles: the compute warpgroups of query rows 0-63 and 64-127 of a tile, and the load warp.
+LOAD_ROLE = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def _partition_role(slot, load_first):
+    """The role of warp_specialize's slot (0: the default partition): the two compute warpgroups then the load warp,
+    or with load_first (hopper.gluon_load_first) the load warp first."""
+    return (slot + 2 * bool(load_first)) % 3
+
+
+@gluon.jit
+def _fwd_partition(shared, ROLE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr, EVEN_K: gl.constexpr, NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr,
+                   SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr,
+                   SPARSE: gl.constexpr, DROPOUT: gl.constexpr, SCORE_BUFS: gl.constexpr, O_SCORES: gl.constexpr,
+                   O_IN_Q: gl.constexpr):
+    """One partition of the forward: ROLE 0 or 1 a compute warpgroup (_fwd_compute's HALF), LOAD_ROLE the load
+    warp (_fwd_load); `shared` holds the kernel's values they take."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, q_desc, k_desc,
+     v_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag,
+     window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb, seg_stride_kb, cap_in, BIAS,
+     bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold,
+     dropout_scale) = shared
+    if ROLE == LOAD_ROLE:
+        _fwd_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                  w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left, SEGMENT_RANGES, sparse,
+                  HEAD_DIM, BLOCK_D, BM, BN, STAGES, GROUP, CAUSAL, WINDOW, SEGMENTS, SPARSE)
+    else:
+        _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+                     SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q,
+                     diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb, seg_stride_kb,
+                     cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs, DROPOUT_SEED,
+                     dropout_threshold, dropout_scale, ROLE, HEAD_DIM, BLOCK_D, BM, BN, STAGES, GROUP, CAUSAL, WINDOW,
+                     EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT,
+                     SCORE_BUFS, O_SCORES, O_IN_Q)
+
+
 @gluon.jit(do_not_specialize=GLUON_FWD_INTS)
 def flash_fwd_gluon_kernel(
     Q, K, V, SINKS, QSEG, KSEG, SEGMENT_RANGES, BIAS, MASK, SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER,
@@ -502,7 +544,7 @@ def flash_fwd_gluon_kernel(
     STAGES: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EVEN_K: gl.constexpr,
     NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr, SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE: gl.constexpr, DROPOUT: gl.constexpr,
-    SCORE_BUFS: gl.constexpr,
+    SCORE_BUFS: gl.constexpr, LOAD_FIRST: gl.constexpr,
 ):
     # Grid: (programs,), each taking items w = pid, pid + programs, ... < num_work (_fwd_item).
     # The descriptors cover whole arrays, (batch, seq) rows by (head, dim) columns: heads side by
@@ -594,25 +636,21 @@ def flash_fwd_gluon_kernel(
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_s)
     mask_strides = (mask_stride_b, mask_stride_h, mask_stride_s)
     sparse = (SPARSE_KV_COUNT, SPARSE_KV_INDEX, SPARSE_Q_ORDER, sparse_stride_b, sparse_stride_h, num_k_blocks)
+    # The partitions' runtime arguments, one tuple (a variable may hold values, not constexprs).
+    shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, q_desc,
+              k_desc, v_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q, seqlen_k,
+              num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse, seg_stride_qb,
+              seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK, mask_strides, mask_bufs,
+              DROPOUT_SEED, dropout_threshold, dropout_scale)
+    # Slot 0 is the default partition (the kernel's 4 warps), slots 1 and 2 workers: _fwd_partition's roles.
     gl.warp_specialize([
-        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                        o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
-                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
-                        mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 0,
-                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES,
-                        O_IN_Q)),
-        (_fwd_compute, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                        o_desc, LSE, SINKS, stride_lse_b, stride_lse_h, w_first, num_work, w_step, seqlen_q,
-                        seqlen_k, num_heads_q, diag, window_left, qk_scale, QSEG, KSEG, SEGMENT_RANGES, sparse,
-                        seg_stride_qb, seg_stride_kb, cap_in, BIAS, bias_strides, bias_in, bias_bufs, MASK,
-                        mask_strides, mask_bufs, DROPOUT_SEED, dropout_threshold, dropout_scale, 1,
-                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS,
-                        SINKS_PER_HEAD, SEGMENTS, SOFTCAP, HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES,
-                        O_IN_Q)),
-        (_fwd_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, w_first, num_work, w_step, seqlen_q, seqlen_k, num_heads_q, diag, window_left,
-                     SEGMENT_RANGES, sparse, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, GROUP_SIZE, CAUSAL, WINDOW,
-                     SEGMENTS, SPARSE)),
-    ], [4, 1], [240, 24])
+        (_fwd_partition, (shared, _partition_role(0, LOAD_FIRST), HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                          STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP,
+                          HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES, O_IN_Q)),
+        (_fwd_partition, (shared, _partition_role(1, LOAD_FIRST), HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                          STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP,
+                          HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES, O_IN_Q)),
+        (_fwd_partition, (shared, _partition_role(2, LOAD_FIRST), HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                          STAGES, GROUP_SIZE, CAUSAL, WINDOW, EVEN_K, NUM_SINKS, SINKS_PER_HEAD, SEGMENTS, SOFTCAP,
+                          HAS_BIAS, HAS_MASK, SPARSE, DROPOUT, SCORE_BUFS, O_SCORES, O_IN_Q)),
+    ], [4, 4] if LOAD_FIRST else [4, 1], [240, 240] if LOAD_FIRST else [240, 24])

@@ -349,6 +349,15 @@ def gluon_score_buffers(shapes: FlashShapes) -> int:
         return 2
     per_score = bias_bytes * shapes.has_bias + shapes.has_mask
     return 2 if 0 < per_score <= GLUON_SCORE_BYTES_TWICE.get(width, 0) else 1
+def gluon_load_first(shapes: FlashShapes, causal: bool) -> bool:
+    """Whether the Gluon forward's load warp is its default partition and both compute warpgroups are workers of 240
+    registers (forward_gluon's LOAD_FIRST), rather than the first compute warpgroup the default with what the
+    others leave (232).  Only for a causal mask on the 128-wide tiles, whose key loop at 232 registers reloads
+    spilled ones on every key tile; in the other variants the order cleared no loop, and dropout's loops spilled
+    with it (NOTES: "A causal mask at D = 128: the load warp as the default partition")."""
+    return shapes.has_mask and causal and gluon_tile_width(shapes.head_dim) == 128
+
+
 GLUON_FWD_ENV = "DUALATTN_GLUON_FWD"
 # Block-sparse layouts the Gluon kernels walk: (block_q, block_k), sparse_on_gluon_tiles.
 GLUON_SPARSE_BLOCKS = (128, 128)

@@ -22,10 +22,11 @@ from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_stride
 from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILES, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
-                     gluon_allowed, gluon_forward, gluon_tile_width, gluon_score_buffers, one_pass_backward,
-                     one_pass_persistent, persistent_backward, persistent_forward, short_window_backward,
-                     short_window_forward, split_band, split_band_pays, tma_requested, warp_specialize_requested,
-                     warp_specialized_backward, warp_specialized_forward, whole_array_tiles, ws_band_in_loop)
+                     gluon_allowed, gluon_forward, gluon_load_first, gluon_score_buffers, gluon_tile_width,
+                     one_pass_backward, one_pass_persistent, persistent_backward, persistent_forward,
+                     short_window_backward, short_window_forward, split_band, split_band_pays, tma_requested,
+                     warp_specialize_requested, warp_specialized_backward, warp_specialized_forward, whole_array_tiles,
+                     ws_band_in_loop)
 from . import rules
 from .segments import RANGE_FIELDS
 from .tiles import (SHORT_SEQ_BUCKETS, TUNED, TUNED_FILE_ENV, FlashConfig, SparseInfo, TileConfig,  # noqa: F401
@@ -302,7 +303,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
                     ("HAS_MASK", shapes.has_mask),
                     # forward_gluon's SPARSE_LISTS / SPARSE_RUNS
                     ("SPARSE", 0 if sparse is None else 2 if sparse.kv_rows_contiguous else 1),
-                    ("DROPOUT", options.dropout_prob > 0.0), ("SCORE_BUFS", gluon_score_buffers(shapes))),
+                    ("DROPOUT", options.dropout_prob > 0.0), ("SCORE_BUFS", gluon_score_buffers(shapes)),
+                    ("LOAD_FIRST", gluon_load_first(shapes, causal))),
         num_warps=GLUON_FWD_WARPS, num_stages=1, resume=SEGMENT_RESUME if segments else ())
     # (the ranges of query tiles of block_m rows over key tiles of block_n: _fwd_item reads them)
     return segment_ranges_first(main, shapes, scalar, block_m, block_n, True) if segments else main
