@@ -111,7 +111,7 @@ def _backward(static: _Static, arrays: dict, out, lse, dout, dlse, bias_grad: bo
     a = dict(arrays, out=out, dout=dout.astype(out.dtype), lse=lse, dlse=dlse.astype(jnp.float32))
     plan = _plan(static, flash_plan.plan_backward, fit.backward, a,
                  {**_strides(arrays), "out": row_major_strides(out.shape)}, lse_grad=True,
-                 deterministic=static.deterministic, bias_grad=bias_grad)
+                 deterministic=static.deterministic, bias_grad=bias_grad, same_tables=static.same_tables)
     pre = _launch.run(plan.preprocess, a)
     a["delta"] = pre["delta"]
     grads = dict(_launch.run(plan.dkdv, a))

@@ -242,10 +242,11 @@ class _CallPlan:
     and planning again took ~2/3 of the forward's host time, and the GPU machine's host issued a
     forward in ~150 us against a 158 us kernel (D=128 causal S=1024; NOTES: "Fewer Python layers per call")."""
 
-    __slots__ = ("resolved", "sparse", "forward", "out_shape", "backwards")
+    __slots__ = ("resolved", "sparse", "forward", "out_shape", "out_zeroed", "backwards")
 
     def __init__(self, resolved: _Resolved, sparse, forward, out_shape):
         self.resolved, self.sparse, self.forward, self.out_shape = resolved, sparse, forward, out_shape
+        self.out_zeroed = _out_zeroed(forward)
         self.backwards = {}
 
 
@@ -276,9 +277,10 @@ def _call_key(named: dict) -> Optional[tuple]:
             _same_tables(named), flash_plan.environment(), executor.default_executor().state("flash"))
 
 
-def _new_out(shape, varlen: bool, dtype, device) -> Tensor:
-    # Varlen rows in no sequence are written by no program: zeros (plan._forward_outputs).
-    return (torch.zeros if varlen else torch.empty)(shape, dtype=dtype, device=device)
+def _out_zeroed(launch) -> bool:
+    """Whether the forward's out must start as zeros: varlen rows in no sequence are written by no program
+    (plan._forward_outputs), unless the call runs as documents (plan.varlen_as_documents), which writes every row."""
+    return any(o.name == "out" and o.zeroed for one in launch.chain for o in one.outputs)
 
 
 def _forward(named: dict):
@@ -288,11 +290,13 @@ def _forward(named: dict):
     query = named["query"]
     if call is None:
         a, sparse, r = _problem(named)
-        out = _new_out(flash_plan.out_shape(r.shapes), r.shapes.varlen, a["query"].dtype, query.device)
+        out = torch.empty(flash_plan.out_shape(r.shapes), dtype=a["query"].dtype, device=query.device)
         ws = _warp_specialize(a)
         launch = _plan(flash_plan.plan_forward, fit.forward, a, r.shapes, r.options, _strides({**a, "out": out}),
                        config=r.config, diag_shift=named["diag_shift"], sparse=sparse, tma=_tma(a),
                        warp_specialize=ws, num_sms=_num_sms(a), gluon=_gluon(a, ws), same_tables=_same_tables(a))
+        if _out_zeroed(launch):
+            out.zero_()
         if key is not None:
             if len(_CALL_PLANS) >= _CALL_PLANS_MAX:
                 _CALL_PLANS.clear()
@@ -303,7 +307,8 @@ def _forward(named: dict):
             r = r._replace(dropout_seed=_seed_tensor(named["dropout_prob"], named["dropout_seed"], query.device))
         a["dropout_seed"] = r.dropout_seed
         launch = flash_plan.used(call.forward)
-        out = _new_out(call.out_shape, call.resolved.shapes.varlen, a["query"].dtype, query.device)
+        out = (torch.zeros if call.out_zeroed else torch.empty)(call.out_shape, dtype=a["query"].dtype,
+                                                                  device=query.device)
     res = _launch.run(launch, a, outputs={"out": out})
     return res["out"].to(query.dtype), res["lse"], r, call
 
@@ -371,7 +376,7 @@ def _backward(named: dict, dout: Tensor, out: Tensor, lse: Tensor, dlse: Optiona
                      config=r.config, diag_shift=named["diag_shift"], sparse=sparse,
                      tma=_tma(a), lse_grad=dlse is not None, warp_specialize=ws,
                      num_sms=_num_sms(a), gluon=_gluon(a, ws), deterministic=named["deterministic"],
-                     bias_grad=bias_grad)
+                     bias_grad=bias_grad, same_tables=_same_tables(a))
         if call is not None:
             call.backwards[backward_key] = plan
     pre = _launch.run(plan.preprocess, a)

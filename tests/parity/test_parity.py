@@ -202,40 +202,54 @@ def test_jax_triton_traced_seed_vmap_and_varlen(rng):
 
 
 def test_varlen_one_table_as_segment_ids_is_the_same_in_both(rng, monkeypatch):
-    """Varlen with one table run as segment ids (plan.varlen_as_documents; DUALATTN_VARLEN_DOCUMENTS=1
-    takes it through the interpreter): jax with the table traced under jit gives torch's numbers
-    bit for bit, and both match the varlen kernels."""
+    """Varlen with one table run as segment ids (plan.varlen_as_documents and varlen_backward_as_documents;
+    DUALATTN_VARLEN_DOCUMENTS=1 takes them through the interpreter): jax with the table traced under jit gives
+    torch's numbers bit for bit, forward and gradients, and both match the varlen kernels."""
     from dualattn.kernels.flash import plan as flash_plan
     h, d, lens = 2, 16, [17, 40, 0, 5]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     total = int(cu[-1]) + 6   # tokens past the last sequence
-    qp, kp, vp = (rng.standard_normal((total, h, d)).astype(np.float32) for _ in range(3))
+    qp, kp, vp, dop = (rng.standard_normal((total, h, d)).astype(np.float32) for _ in range(4))
 
     def both():
-        jo, jl = jax.jit(lambda q, k, v, c: dj.flash_attention_varlen(
-            q, k, v, c, c, max(lens), max(lens), causal=True, return_lse=True, backend="triton"))(
+        def jax_loss(q, k, v, c):
+            out, lse = dj.flash_attention_varlen(q, k, v, c, c, max(lens), max(lens), causal=True, return_lse=True,
+                                                 backend="triton")
+            return jnp.sum(out * jnp.asarray(dop)), (out, lse)
+        (_, (jo, jl)), jg = jax.jit(jax.value_and_grad(jax_loss, argnums=(0, 1, 2), has_aux=True))(
             jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(cu))
         table = torch.tensor(cu)
-        to, tl = dt.flash_attn_varlen_func(torch.tensor(qp), torch.tensor(kp), torch.tensor(vp), table, table,
-                                           max(lens), max(lens), causal=True, return_lse=True)
-        return np.asarray(jo), np.asarray(jl), to.numpy(), tl.numpy()
+        leaves = [torch.tensor(x, requires_grad=True) for x in (qp, kp, vp)]
+        to, tl = dt.flash_attn_varlen_func(*leaves, table, table, max(lens), max(lens), causal=True,
+                                           return_lse=True)
+        tg = torch.autograd.grad(to, leaves, torch.tensor(dop))
+        return (np.asarray(jo), np.asarray(jl), *map(np.asarray, jg)), (to.detach().numpy(), tl.detach().numpy(),
+                                                                       *(g.numpy() for g in tg))
 
-    chains, real = [], flash_plan.plan_forward
+    chains, real = [], (flash_plan.plan_forward, flash_plan.plan_backward)
 
-    def spy(*args, **kwargs):
-        planned = real(*args, **kwargs)
-        chains.append(planned.chain[0].kernel)
+    def spy(which):
+        def planned(*args, **kwargs):
+            plan = real[which](*args, **kwargs)
+            chains.append((plan.dkdv if which else plan).chain[0].kernel)
+            return plan
         return planned
 
-    monkeypatch.setattr(flash_plan, "plan_forward", spy)
+    monkeypatch.setattr(flash_plan, "plan_forward", spy(0))
+    monkeypatch.setattr(flash_plan, "plan_backward", spy(1))
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1")
-    jo, jl, to, tl = both()
-    assert chains.count("varlen_segment_ids_kernel") == 2, chains   # jax and torch both ran as documents
-    np.testing.assert_array_equal(jo, to)
-    np.testing.assert_array_equal(jl, tl)
+    jax_results, torch_results = both()
+    # jax and torch both ran the forward and the backward as documents
+    assert chains.count("varlen_segment_ids_kernel") == 4, chains
+    for name, j, t in zip(("out", "lse", "dq", "dk", "dv"), jax_results, torch_results):
+        np.testing.assert_array_equal(j, t, err_msg=name)
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "0")
-    vo, vl, _, _ = both()
-    assert relative_error(jo, vo) < 1e-5 and np.array_equal(np.isneginf(jl), np.isneginf(vl))
+    varlen_results, _ = both()
+    jl, vl = jax_results[1], varlen_results[1]
+    assert np.array_equal(np.isneginf(jl), np.isneginf(vl))
+    for name, j, v in zip(("out", "dq", "dk", "dv"), jax_results[:1] + jax_results[2:],
+                          varlen_results[:1] + varlen_results[2:]):
+        assert relative_error(j, v) < 1e-5, name
 
 
 @pytest.fixture

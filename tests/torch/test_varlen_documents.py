@@ -3,6 +3,8 @@ rule, and the numbers (the portable kernels in the interpreter with DUALATTN_VAR
 sm_90 GPU the Gluon forward, by default)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -73,15 +75,17 @@ def _shapes(total=4096, max_seqlen=2048, seqs=2, d=128, sinks=0, total_k=None, m
                        total_q=total, total_k=total_k or total, num_sinks=sinks, sinks_per_head=bool(sinks))
 
 
-def _plan(shapes=None, same_tables=True, gluon=True, **opts):
+def _plan(shapes=None, same_tables=True, gluon=True, backward=False, deterministic=False, **opts):
     shapes = shapes or _shapes()
     options = FlashOptions.build(head_dim=shapes.head_dim, **opts)
     strides = {n: row_major_strides((t, h, shapes.head_dim)) for n, t, h in
                (("query", shapes.total_q, 8), ("key", shapes.total_k, 2), ("value", shapes.total_k, 2),
                 ("out", shapes.total_q, 8))}
     strides.update(cu_seqlens_q=(1,), cu_seqlens_k=(1,))
-    return flash_plan.plan_forward(shapes, options, strides, config=flash_plan.default_config(shapes, interpret=False),
-                                   warp_specialize=True, gluon=gluon, num_sms=132, same_tables=same_tables)
+    plan = functools.partial(flash_plan.plan_backward, deterministic=True) if deterministic else \
+        flash_plan.plan_backward if backward else flash_plan.plan_forward
+    return plan(shapes, options, strides, config=flash_plan.default_config(shapes, interpret=False),
+                warp_specialize=True, gluon=gluon, num_sms=132, same_tables=same_tables)
 
 
 def test_plan_runs_one_table_as_segment_ids_on_the_gluon_forward(monkeypatch):
@@ -106,6 +110,30 @@ def test_plan_runs_one_table_as_segment_ids_on_the_gluon_forward(monkeypatch):
     assert _plan(causal=True).kernel == "flash_fwd_kernel"
 
 
+def test_plan_runs_the_backward_of_one_table_as_segment_ids_on_the_one_pass_kernel(monkeypatch):
+    """plan.varlen_backward_as_documents: the ids launch, the key tiles' segment ranges, the one-pass backward; the
+    gradients varlen-shaped; at every head dim the one-pass kernel takes (the forward's rule starts at D = 128)."""
+    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, None)
+    for d in (128, 64, 96):
+        plan = _plan(shapes=_shapes(d=d), backward=True, causal=True)
+        assert [one.kernel for one in plan.dkdv.chain] == ROUTE + ["flash_bwd_one_pass_kernel"], d
+        ids, ranges, one_pass = plan.dkdv.chain
+        assert ranges.resume == flash_plan.VARLEN_IDS_RESUME and one_pass.constexpr_dict["SEGMENTS"]
+        assert {o.name: o.shape for o in one_pass.results if o.name != "dq_accum"} == {
+            "dkey": (4096, 2, d), "dvalue": (4096, 2, d)}
+        assert [o.shape for o in plan.dq.results] == [(4096, 8, d)] and plan.dq.kernel == "flash_bwd_dq_convert_kernel"
+    # the forward's terms (not the same problem), and no one-pass kernel (deterministic, no Gluon launcher, a
+    # pack too short for it): the varlen kernels
+    for why, kwargs in (("two tables", dict(same_tables=False)), ("no Gluon launcher", dict(gluon=False)),
+                        ("dropout", dict(dropout_prob=0.1)), ("sinks", dict(shapes=_shapes(sinks=1))),
+                        ("other max_seqlen_k", dict(shapes=_shapes(max_seqlen_k=1024))),
+                        ("deterministic", dict(deterministic=True)),
+                        ("short pack", dict(shapes=_shapes(total=1024, max_seqlen=512)))):
+        assert _plan(backward=True, causal=True, **kwargs).dkdv.chain[0].kernel not in ROUTE, why
+    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "0")
+    assert _plan(backward=True, causal=True).dkdv.chain[0].kernel not in ROUTE
+
+
 # (table, packed tokens): an empty sequence, tokens past the last sequence
 TABLES = [([0, 50, 50, 140, 200], 220), ([0, 0, 90, 90, 150], 150), ([0, 64, 128, 192, 256], 256)]
 
@@ -114,9 +142,11 @@ TABLES = [([0, 50, 50, 140, 200], 220), ([0, 0, 90, 90, 150], 150), ([0, 64, 128
                                   dict(causal=True, logits_soft_cap=5.0)], ids=["causal", "full", "window", "softcap"])
 def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
     """Through the portable kernels (DUALATTN_VARLEN_DOCUMENTS=1): forward, lse (-inf on rows in no
-    sequence) and gradients against the float64 varlen reference; the backward is the varlen one."""
+    sequence) and gradients (zero on tokens in no sequence) against the float64 varlen reference; the backward
+    runs as documents too (the dense dK/dV kernel after the ids and its ranges)."""
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1")
     chains = spy_chains(monkeypatch)
+    backward_chains = spy_chains(monkeypatch, "plan_backward")
     gen = torch.Generator().manual_seed(seed)
     for cu, total in TABLES:
         table = torch.tensor(cu, dtype=torch.int32)
@@ -128,6 +158,7 @@ def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
         out, lse = flash_attn_varlen_func(*leaves, table, table, longest, longest, return_lse=True, **opts)
         grads = torch.autograd.grad(out, leaves, dout)
         assert chains[-1] == ROUTE + ["flash_fwd_kernel"], chains
+        assert backward_chains[-1] == ROUTE + ["flash_bwd_dkdv_kernel"], backward_chains
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, **opts)
         ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout[:cu[-1]].double())
@@ -144,23 +175,26 @@ def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, causal", [(128, True), (64, True), (128, False)])
 def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal):
-    """On sm_90 (by default from D = 128): packed documents of ragged lengths, an empty one, the last ending inside
-    a tile and tokens past it, against the float64 varlen reference, forward and backward."""
+    """On sm_90 (the forward by default from D = 128, the backward at every head dim): packed documents of ragged
+    lengths, an empty one, the last ending inside a tile and tokens past it, against the float64 varlen reference,
+    forward and backward (the one-pass kernel)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     # D = 64 runs as documents only when asked (plan.varlen_as_documents); the kernels are the same
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1" if d < 128 else None)
     chains = spy_chains(monkeypatch)
-    cu, total = [0, 300, 1300, 1300, 1817, 2011], 2100
+    backward_chains = spy_chains(monkeypatch, "plan_backward")
+    cu, total = [0, 3000, 4300, 4300, 4817, 5011], 5100
     table = torch.tensor(cu, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(total, 8, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(total, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_varlen_func(*leaves, table, table, 1000, 1000, causal=causal, return_lse=True)
+    out, lse = flash_attn_varlen_func(*leaves, table, table, 3000, 3000, causal=causal, return_lse=True)
     grads = torch.autograd.grad(out, leaves, dout)
     assert chains[-1] == ROUTE + ["flash_fwd_gluon_kernel"], chains
+    assert backward_chains[-1] == ROUTE + ["flash_bwd_one_pass_kernel"], backward_chains
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, causal=causal)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout[:cu[-1]].double())

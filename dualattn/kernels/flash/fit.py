@@ -125,7 +125,9 @@ def backward(shapes, options, strides, *, config: FlashConfig, arch: int, max_sh
     while True:
         plan = flash_plan.plan_backward(shapes, options, strides,
                                         config=dataclasses.replace(config, bwd_dkdv=dkdv, bwd_dq=dq), **plan_kwargs)
-        launched = {**dtypes, "delta": "float32", "segment_ranges": "int32"}
+        # (varlen run as documents: plan.varlen_backward_as_documents makes the segment ids)
+        launched = {"q_segment_ids": "int32", "kv_segment_ids": "int32", **dtypes, "delta": "float32",
+                    "segment_ranges": "int32"}
         dkdv_fits = fits(plan.dkdv, launched, arch, max_shared, specialize)
         if not dkdv_fits and plan.dkdv.chain[-1].kernel in GLUON_SCORED_KERNELS:
             plan_kwargs = {**plan_kwargs, "gluon": False}   # the one-pass kernel's bias / mask tiles do not fit

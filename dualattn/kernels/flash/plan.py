@@ -401,6 +401,41 @@ VARLEN_DOCUMENTS_ENV = "DUALATTN_VARLEN_DOCUMENTS"
 VARLEN_IDS_RESUME = (("q_segment_ids", "q_segment_ids"), ("kv_segment_ids", "kv_segment_ids"))
 
 
+def _one_table_as_documents(shapes: FlashShapes, options: FlashOptions, strides, sparse: Optional[SparseInfo],
+                            flag: Optional[str]):
+    """(the dense problem, its strides): a varlen call whose queries and keys share one table, as one packed
+    sequence with segment ids; None where it is not the same problem (varlen_as_documents)."""
+    if (flag == "0" or not shapes.varlen or sparse is not None or options.dropout_prob > 0.0 or shapes.num_sinks
+            or shapes.total_q != shapes.total_k or shapes.seqlen_q != shapes.seqlen_k):
+        return None
+    total = shapes.total_q
+    dense = dataclasses.replace(shapes, batch=1, seqlen_q=total, seqlen_k=total, varlen=False, total_q=0,
+                                total_k=0, has_segments=True)
+    dense_strides = {name: (total * s[0],) + tuple(s) for name, s in strides.items()
+                     if name in ("query", "key", "value", "out")}
+    dense_strides.update(q_segment_ids=(total, 1), kv_segment_ids=(total, 1))
+    return dense, dense_strides
+
+
+def _varlen_shaped(head: Launch, shapes: FlashShapes, ids_first: bool) -> Launch:
+    """A dense documents chain made the varlen call's: out, lse and the gradients varlen-shaped (the same
+    memory: batch 1 of the packed length); with ids_first, after the ids launch, which its segment-ranges
+    launch resumes (VARLEN_IDS_RESUME)."""
+    varlen_shape = dict(out=out_shape(shapes), lse=_lse_shape(shapes),
+                        dquery=(shapes.total_q, shapes.heads_q, shapes.head_dim),
+                        dkey=(shapes.total_k, shapes.heads_kv, shapes.head_dim),
+                        dvalue=(shapes.total_k, shapes.heads_kv, shapes.head_dim_v))
+    tail = None
+    for one in reversed(head.chain):   # rebuilt from the end
+        outputs = tuple(dataclasses.replace(o, shape=varlen_shape[o.name]) if o.name in varlen_shape else o
+                        for o in one.outputs)
+        resume = VARLEN_IDS_RESUME if ids_first and one.kernel == "segment_ranges_kernel" else one.resume
+        tail = dataclasses.replace(one, outputs=outputs, then=tail, resume=resume)
+    if not ids_first:
+        return tail
+    return dataclasses.replace(plan_varlen_segment_ids(shapes.total_q, shapes.batch, shapes.seqlen_q), then=tail)
+
+
 def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, env: switches.Switches,
                         sparse: Optional[SparseInfo] = None, **plan_kwargs) -> Optional[Launch]:
     """A varlen forward whose queries and keys share one table, run as one packed sequence with segment
@@ -413,38 +448,43 @@ def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, 
     which would give a row in no sequence their lse where varlen gives -inf (docs/spec.md).  Returns
     the chain (the ids launch, then the dense plan with segment ids, its out and lse the varlen call's),
     or None where that plan would not take the Gluon forward (unless DUALATTN_VARLEN_DOCUMENTS=1).
-    The backward stays the varlen one: it takes this out and lse as they are."""
+    varlen_backward_as_documents is the backward's rule: it takes this out and lse as they are."""
     flag = env.get(VARLEN_DOCUMENTS_ENV)
-    if (flag == "0" or not shapes.varlen or sparse is not None or options.dropout_prob > 0.0 or shapes.num_sinks
-            or shapes.total_q != shapes.total_k or shapes.seqlen_q != shapes.seqlen_k):
-        return None
+    problem = _one_table_as_documents(shapes, options, strides, sparse, flag)
     # Below D = 128 the varlen forward is as fast as the Gluon one plus the two launches that make the
     # ids and ranges (H200, 8 x 2048 causal, D = 64: 306 varlen against 280 TFLOP/s; at D = 128 it is
     # 334 against 383: benchmarks/NOTES.md 'Varlen with one table as documents').  Wider heads, which the
     # Gluon forward also takes, were not measured here: they keep the varlen kernels.
-    if shapes.head_dim != 128 and flag != "1":
+    if problem is None or (shapes.head_dim != 128 and flag != "1"):
         return None
-    total = shapes.total_q
-    dense = dataclasses.replace(shapes, batch=1, seqlen_q=total, seqlen_k=total, varlen=False, total_q=0,
-                                total_k=0, has_segments=True)
-    dense_strides = {name: (total * s[0],) + tuple(s) for name, s in strides.items()
-                     if name in ("query", "key", "value", "out")}
-    dense_strides.update(q_segment_ids=(total, 1), kv_segment_ids=(total, 1))
+    dense, dense_strides = problem
     main = plan_forward(dense, options, dense_strides, env=env, **plan_kwargs)
     chain = main.chain
     if chain[0].kernel != "segment_ranges_kernel" or (chain[-1].kernel != "flash_fwd_gluon_kernel" and flag != "1"):
         return None
-    # Rebuilt from the end: the ranges launch resumes the ids, the last launch's out and lse are varlen-shaped.
-    tail = None
-    for i, one in reversed(list(enumerate(chain))):
-        outputs = one.outputs
-        if i == len(chain) - 1:
-            outputs = tuple(dataclasses.replace(o, shape=out_shape(shapes)) if o.name == "out" else
-                            dataclasses.replace(o, shape=_lse_shape(shapes)) if o.name == "lse" else o
-                            for o in outputs)
-        tail = dataclasses.replace(one, outputs=outputs, then=tail,
-                                   resume=VARLEN_IDS_RESUME if i == 0 else one.resume)
-    return dataclasses.replace(plan_varlen_segment_ids(total, shapes.batch, shapes.seqlen_q), then=tail)
+    return _varlen_shaped(main, shapes, ids_first=True)
+
+
+def varlen_backward_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, env: switches.Switches,
+                                 sparse: Optional[SparseInfo] = None, **plan_kwargs) -> Optional["BackwardPlan"]:
+    """The backward of a varlen call with one table, on the same terms as varlen_as_documents, where the dense
+    documents plan takes the one-pass backward (which takes segment ids and no varlen) or
+    DUALATTN_VARLEN_DOCUMENTS=1: the ids launch heads the dK/dV chain (the dQ launches find the ids among its
+    results), the gradients come back varlen-shaped.  Tokens in no sequence attend nothing and nothing attends
+    them, so their gradients are the zeros the varlen kernels leave.  Whatever ran the forward, out and lse
+    are the same arrays.  Every head dim: the one-pass backward of documents beat the two-pass varlen
+    kernels at D = 64 as at 128 (benchmarks/NOTES.md, 'Varlen with one table as documents')."""
+    flag = env.get(VARLEN_DOCUMENTS_ENV)
+    problem = _one_table_as_documents(shapes, options, strides, sparse, flag)
+    if problem is None:
+        return None
+    dense, dense_strides = problem
+    plan = plan_backward(dense, options, dense_strides, env=env, **plan_kwargs)
+    if plan.dkdv.chain[-1].kernel != "flash_bwd_one_pass_kernel" and flag != "1":
+        return None
+    # (the dense preprocess reads out, dO and lse as the varlen one would: batch 1 of the packed length)
+    return dataclasses.replace(plan, dkdv=_varlen_shaped(plan.dkdv, shapes, ids_first=True),
+                               dq=_varlen_shaped(plan.dq, shapes, ids_first=False))
 
 
 def plan_varlen_segment_ids(total: int, num_seqs: int, max_seqlen: int) -> Launch:
@@ -477,6 +517,12 @@ def segment_skip(shapes: FlashShapes, sparse: Optional[SparseInfo], warp_special
     return shapes.has_segments and sparse is None and not warp_specialized
 
 
+# Ids the segment-range kernel reads at once (a chunk of other-axis tiles whose ranges it reduces together), over
+# SEGMENT_WARPS warps: 32 ids a thread (no spills on sm_90; a smaller chunk at 8 warps spilled).
+SEGMENT_CHUNK = 8192
+SEGMENT_WARPS = 8
+
+
 def segment_ranges_first(main: Launch, shapes: FlashShapes, scalar: dict, block_own: int, block_other: int,
                          own_is_query: bool) -> Launch:
     """`main` preceded by the launch computing its per-tile segment ranges (segments.py: the tiles sharing
@@ -489,8 +535,9 @@ def segment_ranges_first(main: Launch, shapes: FlashShapes, scalar: dict, block_
         scalars=tuple((k, scalar[k]) for k in ("seg_stride_qb", "seg_stride_kb", "seqlen_q", "seqlen_k"))
         + (("num_tiles", n_tiles),),
         outputs=(Output("segment_ranges", (shapes.batch, n_tiles, RANGE_FIELDS.value), "int32"),),
-        constexprs=(("BLOCK_OWN", block_own), ("BLOCK_OTHER", block_other), ("OWN_IS_QUERY", own_is_query)),
-        num_warps=4, num_stages=1, then=main)
+        constexprs=(("BLOCK_OWN", block_own), ("BLOCK_OTHER", block_other), ("OWN_IS_QUERY", own_is_query),
+                    ("CHUNK_TILES", max(1, SEGMENT_CHUNK // block_other))),
+        num_warps=SEGMENT_WARPS, num_stages=1, then=main)
 # What a SPLIT_BAND edges launch resumes from: the interior launch's out and lse.
 FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 
@@ -507,7 +554,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
                   gluon: bool = False, deterministic: bool = False, hardware_tanh: bool = False,
-                  bias_grad: bool = True, env: switches.Switches = switches.Switches()) -> BackwardPlan:
+                  bias_grad: bool = True, same_tables: bool = False,
+                  env: switches.Switches = switches.Switches()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
     lse_grad: the launcher passes 'dlse', the cotangent of the forward's lse (laid out like lse).
@@ -522,7 +570,15 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     hardware_tanh: as plan_forward's.
     bias_grad: the caller wants dbias (a bias that needs its gradient).  Without it no (B, Hq, Sq, Sk)
     float32 dbias is zero-filled and written: 4 bytes per score, twice.
+    same_tables: as plan_forward's (varlen_backward_as_documents).
     """
+    if same_tables:
+        documents = varlen_backward_as_documents(
+            shapes, options, strides, config=config, diag_shift=diag_shift, sparse=sparse, tma=tma,
+            lse_grad=lse_grad, warp_specialize=warp_specialize, num_sms=num_sms, gluon=gluon,
+            deterministic=deterministic, hardware_tanh=hardware_tanh, bias_grad=bias_grad, env=env)
+        if documents is not None:
+            return documents
     config = sparse.config(config) if sparse is not None else config
     scalars, constexprs = _common_scalars(shapes, options, strides, diag_shift, sparse,
                                           softcap_mode(shapes, options, hardware_tanh, env))

@@ -27,44 +27,71 @@ RANGE_FIELDS = tl.constexpr(4)
 
 
 @triton.jit
-def _id_range(ROW, start, length, BLOCK: tl.constexpr):
-    """(min, max) of ids[start:start + BLOCK] inside the sequence (start < length)."""
-    offs = start + tl.arange(0, BLOCK)
+def _lowest(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)   # (tl.min calls a jit function the interpreter
+                                                               # cannot run from here)
+
+
+@triton.jit
+def _highest(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _id_ranges(ROW, starts, length, BLOCK: tl.constexpr):
+    """Per tile starting at `starts` (a vector): (min, max) of its ids inside the sequence.  Out-of-sequence
+    lanes repeat the tile's first id; tiles starting at or past `length` give (0, 0) and must be masked."""
+    offs = starts[:, None] + tl.arange(0, BLOCK)[None, :]
+    first = tl.load(ROW + starts, mask=starts < length, other=0)
     ids = tl.load(ROW + offs, mask=offs < length, other=0)
-    ids = tl.where(offs < length, ids, tl.load(ROW + start))   # out-of-sequence lanes repeat a real id
-    return tl.reduce(ids, 0, tl.standard._elementwise_min), tl.reduce(ids, 0, tl.standard._elementwise_max)
+    ids = tl.where(offs < length, ids, first[:, None])
+    return _lowest(ids, 1), _highest(ids, 1)
 
 
 @triton.jit(do_not_specialize=SEGMENT_RANGE_INTS)
 def segment_ranges_kernel(QSEG, KSEG, seg_stride_qb, seg_stride_kb, seqlen_q, seqlen_k, num_tiles, RANGES,
-                          BLOCK_OWN: tl.constexpr, BLOCK_OTHER: tl.constexpr, OWN_IS_QUERY: tl.constexpr):
+                          BLOCK_OWN: tl.constexpr, BLOCK_OTHER: tl.constexpr, OWN_IS_QUERY: tl.constexpr,
+                          CHUNK_TILES: tl.constexpr):
+    """One program per own tile; the other axis is read CHUNK_TILES tiles at a time, each chunk's tiles reduced
+    together (a loop over single tiles was a chain of dependent loads: 40 us at 16k tokens)."""
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     if OWN_IS_QUERY:
         OWN, OTHER, own_len, other_len = QSEG + b * seg_stride_qb, KSEG + b * seg_stride_kb, seqlen_q, seqlen_k
     else:
         OWN, OTHER, own_len, other_len = KSEG + b * seg_stride_kb, QSEG + b * seg_stride_qb, seqlen_k, seqlen_q
+    NONE: tl.constexpr = 2**31 - 1   # "no tile" in the chunks' min-reductions
     lo = other_len
     hi = 0
     pure_lo = 0
     pure_hi = 0
     if tile * BLOCK_OWN < own_len:
-        own_min, own_max = _id_range(OWN, tile * BLOCK_OWN, own_len, BLOCK_OWN)
+        own_start = tl.full([1], 0, tl.int32) + tile * BLOCK_OWN
+        own_min, own_max = _id_ranges(OWN, own_start, own_len, BLOCK_OWN)
+        own_min = _lowest(own_min, 0)
+        own_max = _highest(own_max, 0)
         # One id on every lane, and every lane inside the sequence (padding lanes never look pure).
         own_pure = (own_min == own_max) & ((tile + 1) * BLOCK_OWN <= own_len)
         run_closed = 0
-        for start in range(0, other_len, BLOCK_OTHER):
-            other_min, other_max = _id_range(OTHER, start, other_len, BLOCK_OTHER)
-            shared = (other_max >= own_min) & (other_min <= own_max)
-            lo = tl.where(shared, tl.minimum(lo, start), lo)
-            hi = tl.where(shared, start + BLOCK_OTHER, hi)
-            # The first run of whole tiles holding only the own tile's id: a tile that is not such
-            # ends it once it has begun.
-            pure = own_pure & (other_min == own_min) & (other_max == own_min) & (start + BLOCK_OTHER <= other_len)
-            extend = pure & (run_closed == 0)
-            pure_lo = tl.where(extend & (pure_hi == pure_lo), start, pure_lo)
-            pure_hi = tl.where(extend, start + BLOCK_OTHER, pure_hi)
-            run_closed = tl.where(~pure & (pure_hi > pure_lo), 1, run_closed)
+        for first in range(0, other_len, CHUNK_TILES * BLOCK_OTHER):
+            starts = first + tl.arange(0, CHUNK_TILES) * BLOCK_OTHER
+            other_min, other_max = _id_ranges(OTHER, starts, other_len, BLOCK_OTHER)
+            inside = starts < other_len
+            shared = inside & (other_max >= own_min) & (other_min <= own_max)
+            lo = tl.minimum(lo, _lowest(tl.where(shared, starts, NONE), 0))
+            hi = tl.maximum(hi, _highest(tl.where(shared, starts + BLOCK_OTHER, 0), 0))
+            # The first run of whole tiles holding only the own tile's id: it starts at the first such tile
+            # and ends at the first tile after it that is not one (a tile past the sequence is not one).
+            pure = own_pure & (other_min == own_min) & (other_max == own_min) & (starts + BLOCK_OTHER <= other_len)
+            started = pure_hi > pure_lo
+            first_pure = _lowest(tl.where(pure, starts, NONE), 0)
+            active = (run_closed == 0) & (started | (first_pure < NONE))
+            run_start = tl.where(started, pure_lo, first_pure)
+            first_break = _lowest(tl.where(~pure & (starts >= run_start), starts, NONE), 0)
+            pure_lo = tl.where(active & ~started, first_pure, pure_lo)
+            pure_hi = tl.where(active, tl.where(first_break < NONE, first_break,
+                                                first + CHUNK_TILES * BLOCK_OTHER), pure_hi)
+            run_closed = tl.where(active & (first_break < NONE), 1, run_closed)
     lo = tl.where(hi > 0, lo, 0)
     out = RANGES + (b * num_tiles + tile) * RANGE_FIELDS
     tl.store(out, lo)
