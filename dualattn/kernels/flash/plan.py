@@ -476,7 +476,8 @@ def varlen_backward_as_documents(shapes: FlashShapes, options: FlashOptions, str
     kernels at D = 64 as at 128 (benchmarks/NOTES.md, 'Varlen with one table as documents')."""
     flag = env.get(VARLEN_DOCUMENTS_ENV)
     problem = _one_table_as_documents(shapes, options, strides, sparse, flag)
-    if problem is None:
+    # (no one-pass kernel without a Gluon launcher, or with deterministic: then the dense plan is not made)
+    if problem is None or (flag != "1" and (not plan_kwargs.get("gluon") or plan_kwargs.get("deterministic"))):
         return None
     dense, dense_strides = problem
     plan = plan_backward(dense, options, dense_strides, env=env, **plan_kwargs)
