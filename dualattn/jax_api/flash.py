@@ -49,7 +49,8 @@ class _Static:
     arch: int = 0                   # the GPU's compute capability (90, 80); 0: the CPU interpreter
     max_shared: int = 0             # its shared memory per block: portable launches are fitted to it (fit.py)
     deterministic: bool = False     # backward without the one-pass kernel's dQ atomics (plan.plan_backward)
-    same_tables: bool = False       # varlen with one table for queries and keys (plan.varlen_as_documents)
+    same_tables: bool = False       # varlen with one table for queries and keys (plan.varlen_as_documents, and
+                                    # plan.varlen_backward_as_documents)
 
 
 # (shapes, options) -> the executor's autotune_fn: set by _autotune.py, which times calls of this

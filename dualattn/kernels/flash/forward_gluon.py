@@ -48,7 +48,7 @@ SPARSE_RUNS = gl.constexpr(2)
 def mask_copy_layout(BN):
     """How one warpgroup copies a [64, BN] tile of the mask: 32 bytes of a row a thread (two of the buffer's 16-byte
     swizzle units, so two shared-memory destinations a row where half a row took four, held through the key loop:
-    NOTES, "A causal mask at D = 128: the load warp as the default partition"), BN // 32 threads a row, 2 or 4 row
+    NOTES, "A causal mask at D = 128: the load warp as the default partition"), BN // 32 threads a row, 1 or 2 row
     offsets where the bias's layout (gluon_shared.score_copy_layout) has eight; copied like the mask, the bias's
     half-sector requests ran it 1.2-1.8x slower (NOTES: "Score tiles: row offsets, not spills")."""
     return gl.BlockedLayout([1, 32], [32 // (BN // 32), BN // 32], [4, 1], [1, 0])
