@@ -1,6 +1,7 @@
 """Where a case's GPU time goes: each kernel's ms per call (torch.profiler) of the torch path's forward and
 forward + backward, for cases of `python -m dualattn.bench --cases options`, next to the option-free case of
-the same shape.  Launch-count and zero-fill / cast costs show up as rows of their own.
+the same shape.  Launch-count and zero-fill / cast costs show up as rows of their own; each row gives the kernel's
+ms per forward and per forward + backward (0 where the forward does not run it).
 
     python benchmarks/kernel_breakdown.py docs,window_causal,blocksparse_window
 """
@@ -23,8 +24,9 @@ def breakdown(case) -> None:
     both = kernel_times(lambda: torch.autograd.grad(attn(*leaves), leaves, do), calls=10)
     print(f"== {case.name} ({case.options}, B={case.B} S={case.S} H={case.H} D={case.D} causal={case.causal}): "
           f"fwd {sum(fwd.values()):.4f} ms, fwd+bwd {sum(both.values()):.4f} ms", flush=True)
+    print(f"  {'fwd ms':>8}  {'fwd+bwd':>8}  kernel")
     for name, ms in sorted(both.items(), key=lambda kv: -kv[1]):
-        print(f"  {ms:8.4f}  {'fwd ' if name in fwd else '    '}{name}")
+        print(f"  {fwd[name] if name in fwd else 0.0:8.4f}  {ms:8.4f}  {name}")
 
 
 def main():
