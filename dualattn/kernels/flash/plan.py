@@ -185,6 +185,17 @@ def _lse_shape(shapes: FlashShapes):
     return (shapes.batch, shapes.heads_q, shapes.seqlen_q)
 
 
+def _input_shapes(shapes: FlashShapes) -> Tuple[Tuple[int, ...], ...]:
+    """The shapes of query, key and value (and of their gradients): packed (total, heads, dim) for varlen."""
+    if shapes.varlen:
+        q = (shapes.total_q, shapes.heads_q, shapes.head_dim)
+        k = (shapes.total_k, shapes.heads_kv, shapes.head_dim)
+    else:
+        q = (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim)
+        k = (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
+    return q, k, k[:-1] + (shapes.head_dim_v,)
+
+
 def out_shape(shapes: FlashShapes):
     if shapes.varlen:
         return (shapes.total_q, shapes.heads_q, shapes.head_dim_v)
@@ -421,10 +432,8 @@ def _varlen_shaped(head: Launch, shapes: FlashShapes, ids_first: bool) -> Launch
     """A dense documents chain made the varlen call's: out, lse and the gradients varlen-shaped (the same
     memory: batch 1 of the packed length); with ids_first, after the ids launch, which its segment-ranges
     launch resumes (VARLEN_IDS_RESUME)."""
-    varlen_shape = dict(out=out_shape(shapes), lse=_lse_shape(shapes),
-                        dquery=(shapes.total_q, shapes.heads_q, shapes.head_dim),
-                        dkey=(shapes.total_k, shapes.heads_kv, shapes.head_dim),
-                        dvalue=(shapes.total_k, shapes.heads_kv, shapes.head_dim_v))
+    varlen_shape = dict(zip(("out", "lse", "dquery", "dkey", "dvalue"),
+                            (out_shape(shapes), _lse_shape(shapes)) + _input_shapes(shapes)))
     tail = None
     for one in reversed(head.chain):   # rebuilt from the end
         outputs = tuple(dataclasses.replace(o, shape=varlen_shape[o.name]) if o.name in varlen_shape else o
@@ -612,11 +621,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         s = _contiguous(shape)
         return _seq_strides(s, varlen)
 
-    q_shape = (shapes.total_q, shapes.heads_q, shapes.head_dim) if varlen else \
-        (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim)
-    k_shape = (shapes.total_k, shapes.heads_kv, shapes.head_dim) if varlen else \
-        (shapes.batch, shapes.seqlen_k, shapes.heads_kv, shapes.head_dim)
-    v_shape = k_shape[:-1] + (shapes.head_dim_v,)
+    q_shape, k_shape, v_shape = _input_shapes(shapes)
     # Short causal windows: the portable two-pass kernels beat both Hopper backwards (DUALATTN_ONE_PASS=1 keeps
     # them on the one-pass kernel: its tests).
     hopper = sparse is not None or env.get(ONE_PASS_ENV) == "1" or not short_window_backward(shapes, options,
