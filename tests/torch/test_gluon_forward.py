@@ -61,9 +61,13 @@ def test_plan_takes_the_gluon_forward():
     assert (window.constexpr_dict["CAUSAL"], window.constexpr_dict["WINDOW"]) == (True, True)
     assert dict(window.scalars)["window_left"] == 200
     # the soft cap: the GPU's tanh on a GPU (16-bit inputs), the exp2 form otherwise (plan.softcap_mode)
+    # bf16 and a cap of at most 50.6 (Gemma 2's 50): P against a fixed reference (plan.gluon_softcap)
     capped = _plan(causal=True, logits_soft_cap=30.0, hardware_tanh=True)
-    assert capped.kernel == GLUON_FWD and capped.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU
+    assert capped.kernel == GLUON_FWD and capped.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU_FIXED_MAX
     assert dict(capped.scalars)["softcap"] == 30.0
+    assert _plan(logits_soft_cap=50.0, hardware_tanh=True).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU_FIXED_MAX
+    for running_max in (dict(logits_soft_cap=51.0), dict(logits_soft_cap=30.0, dtype="float16")):
+        assert _plan(hardware_tanh=True, **running_max).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU
     assert _plan(logits_soft_cap=30.0).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_EXP2
     assert _plan(causal=True).constexpr_dict["SOFTCAP"] == rules.SOFTCAP_NONE
     # a bias and an attention mask: read per tile beside S, with their (batch, head, row) strides
@@ -277,7 +281,8 @@ def test_gluon_forward_compiles_for_sm90(monkeypatch, d, causal, hq, hkv, dtype,
     assert set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)) >= {("inc", "240"), ("dec", "24")}
     # O through a descriptor of (batch, seq, head * dim), clipped at Sq; padded head dims: (batch, seq, head, dim)
     assert f"cp.async.bulk.tensor.{3 if const['BLOCK_D'] == d else 4}d.global.shared" in ptx
-    assert ("tanh.approx.f32" in ptx) == (launch.constexpr_dict["SOFTCAP"] == rules.SOFTCAP_MUFU)
+    assert ("tanh.approx.f32" in ptx) == (launch.constexpr_dict["SOFTCAP"] in (rules.SOFTCAP_MUFU,
+                                                                              rules.SOFTCAP_MUFU_FIXED_MAX))
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
 
 
@@ -310,6 +315,9 @@ GPU_CASES = {
                                      sinks=True),
     "d128-window-softcap": dict(b=1, sq=2048, sk=2048, hq=2, hkv=1, d=128, opts=dict(sliding_window=(300, 0),
                                                                                     logits_soft_cap=20.0)),
+    # a cap above plan.SOFTCAP_FIXED_MAX_LOG2: the running row maximum
+    "d128-causal-softcap-60": dict(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, opts=dict(causal=True,
+                                                                                       logits_soft_cap=60.0)),
     # rows that see nothing under the soft cap (O = 0, lse = -inf)
     "d128-causal-softcap-empty-rows": dict(b=1, sq=1300, sk=1000, hq=2, hkv=1, d=128,
                                            opts=dict(causal=True, logits_soft_cap=10.0)),
@@ -429,6 +437,38 @@ def test_gpu_gluon_forward_sink_values(monkeypatch, seed):
         assert torch.equal(lse == float("inf"), ref_lse == float("inf"))
         finite = torch.isfinite(ref_lse)
         assert_close_rel(lse[finite], ref_lse[finite], 1e-2, "lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [50.0, 2.0])
+def test_gpu_gluon_forward_saturated_soft_cap(monkeypatch, seed, cap):
+    """The soft cap's fixed reference (plan.gluon_softcap) at its extremes: rows whose every score saturates at
+    -cap (uniform attention, P at its smallest), at +cap (P at its largest), and rows a mask leaves empty (O = 0,
+    lse = -inf), against the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is a kernel for sm_90 only")
+    from dualattn.torch_api import flash_attention
+    from reference import assert_close_rel, reference_attention
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    d, s = 128, 1024
+    direction = torch.randn(d, device="cuda", generator=gen)
+    direction /= direction.norm()
+    k = (direction * 4.0 + 0.01 * torch.randn(1, s, 2, d, device="cuda", generator=gen)).bfloat16()
+    sign = torch.where(torch.arange(s, device="cuda") % 3 == 0, 1.0, -1.0)[None, :, None, None]
+    q = (sign * 1e3 * direction + torch.randn(1, s, 2, d, device="cuda", generator=gen)).bfloat16()
+    v = torch.randn(1, s, 2, d, device="cuda", generator=gen).bfloat16()
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda")
+    mask[..., 5::7, :] = False
+    kernels = spy_kernels(monkeypatch, "plan_forward")
+    out, lse = flash_attention(q, k, v, causal=True, logits_soft_cap=cap, attention_mask=mask, return_lse=True)
+    assert kernels == [GLUON_FWD], kernels
+    ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal=True, logits_soft_cap=cap,
+                                           attention_mask=mask)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert_close_rel(out, ref_out, 1e-2, "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert_close_rel(lse[finite], ref_lse[finite], 1e-2, "lse")
 
 
 def _runs(*runs):

@@ -188,7 +188,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
     FMA, so that the scale applied after it gives S * scale + bias.  SOFTCAP: S becomes
     tanh(S * scale / cap) first (cap_in = scale / cap), and the caller's qk_scale is cap * log2 e, so
     that FMA gives cap * tanh(.) in log2 units (rules.logits' constants, finite for every legal
-    scale and cap).  HAS_MASK: where the attention mask's tile is 0, S is -inf (after the cap).  The
+    scale and cap); SOFTCAP 3 (rules.SOFTCAP_MUFU_FIXED_MAX): those scores, bounded by the cap, are taken
+    against the fixed reference m_i (_fwd_tile) with no row maximum and no factor.  HAS_MASK: where the attention mask's tile is 0, S is -inf (after the cap).  The
     bias and mask tiles are read from shared memory where they are used, so no registers hold them
     across the GEMMs (loaded a tile ahead into registers, they spilled)."""
     if HAS_BIAS:
@@ -215,11 +216,18 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
         s = gl.where(ok, s, float("-inf"))
     if HAS_MASK:
         s = masked_scores(s, mask_buf, s.shape[0], BN)
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
-    alpha = gl.exp2(m_i - m_safe)
-    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+    if SOFTCAP == 3:   # rules.SOFTCAP_MUFU_FIXED_MAX: m_i is the fixed reference; nothing to rescale
+        m_new = m_i
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+        alpha = m_i
+        l_new = l_i + gl.sum(p, axis=1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, not NaN
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -299,7 +307,13 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     MASK_ROW = MASK_ROW + gl.multiple_of(half_row0.to(gl.int64) * mask_stride_s, [8])
     bias_rows = (bias_copy_rows, bias_stride_s)   # (rows, stride): copy_score_tile
     mask_rows = (mask_copy_rows, mask_stride_s)
-    m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
+    FIXED_MAX: gl.constexpr = SOFTCAP == 3
+    if FIXED_MAX:
+        # Capped scores lie in [-K, K], K = cap log2 e = qk_scale: P = exp2(score - (K - 56)+) stays within
+        # [2^-(2K - 56), 2^56], normal in bf16 and fp32 for the caps plan.gluon_softcap admits; no rescaling of O.
+        m_i = gl.full([HM], 0.0, gl.float32, row_s) + gl.maximum(qk_scale - 56.0, 0.0)
+    else:
+        m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)
     acc = gl.zeros([HM, BLOCK_D], gl.float32, o_layout)
     mbarrier.wait(q_ready, tile & 1)
@@ -350,7 +364,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
             mbarrier.wait(k_ready.index(sn), (rn // STAGES) & 1)
             s = warpgroup_mma(q_smem, k_bufs.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             # O_{j-1} = alpha O_{j-2} + P_{j-1} V_{j-1}: the rescale runs while S_j is on the tensor cores
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if not FIXED_MAX:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(sp), ((rn - 1) // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sp), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j back, P_{j-1} V_{j-1} in flight
@@ -379,7 +394,8 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
             mbarrier.arrive(v_empty.index(sp), count=1)
         rl = r + count - 1
         sl = rl % STAGES
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if not FIXED_MAX:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(sl), (rl // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(sl), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))

@@ -36,8 +36,8 @@ def load_rows(desc, row, head, bar, buf, HEAD_DIM: gl.constexpr, BLOCK_D: gl.con
 @gluon.jit
 def capped_tanh(x, SOFTCAP: gl.constexpr):
     """tanh(x), as rules.capped_tanh (the Triton kernels' soft cap; the same two forms, the same
-    numbers): SOFTCAP 2, the GPU's tanh.approx.f32; 1, the exp2 form, accurate to fp32."""
-    if SOFTCAP == 2:
+    numbers): SOFTCAP 2 or 3, the GPU's tanh.approx.f32; 1, the exp2 form, accurate to fp32."""
+    if SOFTCAP >= 2:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
     else:

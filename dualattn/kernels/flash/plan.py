@@ -276,6 +276,21 @@ def _memoised(plan_fn):
     return plan
 
 
+# Capped scores lie in [-cap, cap]: the Gluon forward takes them against a fixed reference, max(K - 56, 0) in log2
+# units with K = cap * log2 e, instead of a running row maximum (no row max, no rescaling of O per key tile).  Every
+# P is then in [2^-(2K - 56), 2^56]: normal in bf16 (the P V GEMM's operand) and fp32 for K <= 73 (cap <= 50.6, which
+# Gemma 2's 50 meets), and the row sums stay below 2^87 for 2^31 keys.  Not fp16, whose P overflows past 2^16.
+SOFTCAP_FIXED_MAX_LOG2 = 73.0
+
+
+def gluon_softcap(shapes: FlashShapes, options: FlashOptions, softcap: int) -> int:
+    """The Gluon forward's SOFTCAP constexpr: softcap_mode's, or SOFTCAP_MUFU_FIXED_MAX where the cap bounds P."""
+    if (softcap == rules.SOFTCAP_MUFU and shapes.dtype == "bfloat16"
+            and options.logits_soft_cap * math.log2(math.e) <= SOFTCAP_FIXED_MAX_LOG2):
+        return rules.SOFTCAP_MUFU_FIXED_MAX
+    return softcap
+
+
 def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: dict, diag_shift: int,
                           num_sms: int, softcap: int, sparse: Optional[SparseInfo]) -> Launch:
     """The Gluon forward: persistent, a program per SM (at most one per work item: a query tile, or
@@ -310,8 +325,8 @@ def _gluon_forward_launch(shapes: FlashShapes, options: FlashOptions, scalar: di
                     ("GROUP_SIZE", shapes.group_size), ("CAUSAL", causal),
                     ("WINDOW", options.window_left is not None), ("EVEN_K", shapes.seqlen_k % block_n == 0),
                     ("NUM_SINKS", shapes.num_sinks), ("SINKS_PER_HEAD", shapes.sinks_per_head),
-                    ("SEGMENTS", segments), ("SOFTCAP", softcap), ("HAS_BIAS", shapes.has_bias),
-                    ("HAS_MASK", shapes.has_mask),
+                    ("SEGMENTS", segments), ("SOFTCAP", gluon_softcap(shapes, options, softcap)),
+                    ("HAS_BIAS", shapes.has_bias), ("HAS_MASK", shapes.has_mask),
                     # forward_gluon's SPARSE_LISTS / SPARSE_RUNS
                     ("SPARSE", 0 if sparse is None else 2 if sparse.kv_rows_contiguous else 1),
                     ("DROPOUT", options.dropout_prob > 0.0), ("SCORE_BUFS", gluon_score_buffers(shapes)),

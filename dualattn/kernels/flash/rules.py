@@ -247,8 +247,10 @@ def load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, TRANS
                    mask=(mi < seqlen_q) & (nj < seqlen_k), other=0.0).to(tl.float32)
 
 
-# SOFTCAP constexpr: how the scores are capped.
-SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_MUFU = 0, 1, 2
+# SOFTCAP constexpr: how the scores are capped.  SOFTCAP_MUFU_FIXED_MAX (the Gluon forward only): the MUFU tanh,
+# and the capped scores, bounded by the cap, taken against a fixed reference instead of a running row maximum
+# (plan.softcap_fixed_max).
+SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_MUFU, SOFTCAP_MUFU_FIXED_MAX = 0, 1, 2, 3
 
 
 @triton.jit
