@@ -81,7 +81,7 @@ def idle_report(events: list) -> None:
     busy = sum(e["dur"] for e in gpu)
     print(f"  GPU span {span / CALLS / 1e3:.4f} ms a call, busy {busy / CALLS / 1e3:.4f}, "
           f"idle {(span - busy) / CALLS / 1e3:.4f} ({len(gpu) / CALLS:.1f} GPU ops a call)")
-    gaps = collections.defaultdict(lambda: [0.0, 0, 0.0])  # (next op, host late) -> [idle us, count, host lag us]
+    gaps = collections.defaultdict(lambda: [0.0, 0])  # (next op, host late) -> [idle us, count]
     end = gpu[0]["ts"] + gpu[0]["dur"]
     for e in gpu[1:]:
         idle = e["ts"] - end
@@ -91,10 +91,9 @@ def idle_report(events: list) -> None:
             row = gaps[(e["name"][:60], late)]
             row[0] += idle
             row[1] += 1
-            row[2] += (launch["ts"] - end) if late else 0.0
         end = max(end, e["ts"] + e["dur"])
     print(f"  {'idle us/call':>12} {'gaps':>5}  {'host late':>9}  next GPU op")
-    for (name, late), (idle, count, _) in sorted(gaps.items(), key=lambda kv: -kv[1][0]):
+    for (name, late), (idle, count) in sorted(gaps.items(), key=lambda kv: -kv[1][0]):
         print(f"  {idle / CALLS:12.1f} {count:5d}  {'yes' if late else 'no':>9}  {name}")
     blocking = collections.Counter()
     for e in events:
@@ -123,8 +122,10 @@ def main():
             print(f"  wall ms a call, back to back (the bench's figure): {throughput_ms(step):.4f}", flush=True)
             issue_report(step, "")
             gc.disable()
-            issue_report(step, " (gc off)")
-            gc.enable()
+            try:
+                issue_report(step, " (gc off)")
+            finally:
+                gc.enable()
             if profiled:
                 profiler = cProfile.Profile()
                 issue_times(step, CALLS, profiler)

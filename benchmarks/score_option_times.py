@@ -1,7 +1,7 @@
 """Kernel ms per call (torch.profiler), forward and forward + backward, of flash_attention with a (B, H, S, S)
-bool mask (90% kept), a bf16 bias, both, a soft cap of 50 (Gemma 2's), and none of them: B = 2, S = 4096, D = 128 (H = 16) and 64 (H = 32),
-non-causal and causal.  Prints the package it ran and a checksum of each output, so that two source trees
-compare (PYTHONPATH=/tmp/base for the other).
+bool mask (90% kept), a bf16 bias, both, a soft cap of 50 (Gemma 2's), and none of them: B = 2, S = 4096,
+D = 128 (H = 16) and 64 (H = 32), non-causal and causal.  Prints the package it ran and a checksum of each
+output, so that two source trees compare (PYTHONPATH=/tmp/base for the other).
 
     python benchmarks/score_option_times.py [CASE ...]   only these of mask, bias, bias+mask, softcap (and none)
 """
@@ -22,7 +22,8 @@ def score_cases(D: int, H: int, gen: torch.Generator):
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
     mask = torch.rand(B, H, S, S, device="cuda", generator=gen) < 0.9
     bias = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cases = {"none": {}, "mask": dict(attention_mask=mask), "bias": dict(bias=bias), "softcap": dict(logits_soft_cap=50.0)}
+    cases = {"none": {}, "mask": dict(attention_mask=mask), "bias": dict(bias=bias),
+             "softcap": dict(logits_soft_cap=50.0)}
     if D == 64:
         cases["bias+mask"] = dict(bias=bias, attention_mask=mask)
     return q, k, v, do, cases

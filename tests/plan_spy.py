@@ -30,3 +30,17 @@ def spy_chains(monkeypatch, plan_name="plan_forward") -> list:
 
     monkeypatch.setattr(flash_plan, plan_name, spy)
     return chains
+
+
+def spy_launches(monkeypatch, plan_name="plan_forward") -> list:
+    """Every launch flash_plan.<plan_name> gives from then on (the forward's, or the backward's dK/dV launch):
+    for tests that check a launch's constexprs, not only its kernel."""
+    launches, real = [], getattr(flash_plan, plan_name)
+
+    def spy(*args, **kwargs):
+        planned = real(*args, **kwargs)
+        launches.append(planned.dkdv if plan_name == "plan_backward" else planned)
+        return planned
+
+    monkeypatch.setattr(flash_plan, plan_name, spy)
+    return launches

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from dualattn.kernels import compile_check  # noqa: E402
 from dualattn.kernels.flash import plan as flash_plan, rules  # noqa: E402
-from plan_spy import spy_chains, spy_kernels  # noqa: E402
+from plan_spy import spy_chains, spy_kernels, spy_launches  # noqa: E402
 from dualattn.switches import set_for_test as set_switch  # noqa: E402
 from test_one_pass import (ONE_PASS, WINDOW_CASES, check_gpu_case, gluon_problem,  # noqa: E402  (tests/torch on path)
                            scored_inputs)
@@ -459,9 +459,10 @@ def test_gpu_gluon_forward_saturated_soft_cap(monkeypatch, seed, cap):
     v = torch.randn(1, s, 2, d, device="cuda", generator=gen).bfloat16()
     mask = torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda")
     mask[..., 5::7, :] = False
-    kernels = spy_kernels(monkeypatch, "plan_forward")
+    launches = spy_launches(monkeypatch, "plan_forward")
     out, lse = flash_attention(q, k, v, causal=True, logits_soft_cap=cap, attention_mask=mask, return_lse=True)
-    assert kernels == [GLUON_FWD], kernels
+    assert [(one.kernel, one.constexpr_dict["SOFTCAP"]) for one in launches] == [
+        (GLUON_FWD, rules.SOFTCAP_MUFU_FIXED_MAX)], launches
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal=True, logits_soft_cap=cap,
                                            attention_mask=mask)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()

@@ -37,7 +37,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gluon_shared import (capped_tanh, copy_score_tile, load_rows, masked_scores, mma_layout, partition_barrier,
                            score_copy_layout, scores_landed)
-from .rules import GLUON_FWD_INTS, dropout_keep, dropout_row_hash, mask_as_int8
+from .rules import (GLUON_FWD_INTS, SOFTCAP_MUFU_FIXED_MAX, SOFTCAP_P_MAX_LOG2, dropout_keep, dropout_row_hash,
+                    mask_as_int8)
+
+# (rules' names, as constexprs the kernels read)
+SOFTCAP_FIXED = gl.constexpr(SOFTCAP_MUFU_FIXED_MAX)
+P_MAX_LOG2 = gl.constexpr(SOFTCAP_P_MAX_LOG2)
 
 # SPARSE: no layout, a block-sparse layout's lists, or a layout whose every row is one run of blocks.
 SPARSE_LISTS = gl.constexpr(1)
@@ -182,16 +187,15 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
              bias_buf, bias_in, mask_buf, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BN: gl.constexpr,
              EVEN_K: gl.constexpr,
              SEGMENTS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr):
-    """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O).
-    Row maxima are kept in the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one
-    FMA per element.  HAS_BIAS: the bias tile joins S in S's own units (bias_in = 1 / scale), one
-    FMA, so that the scale applied after it gives S * scale + bias.  SOFTCAP: S becomes
-    tanh(S * scale / cap) first (cap_in = scale / cap), and the caller's qk_scale is cap * log2 e, so
-    that FMA gives cap * tanh(.) in log2 units (rules.logits' constants, finite for every legal
-    scale and cap); SOFTCAP 3 (rules.SOFTCAP_MUFU_FIXED_MAX): those scores, bounded by the cap, are taken
-    against the fixed reference m_i (_fwd_tile) with no row maximum and no factor.  HAS_MASK: where the attention mask's tile is 0, S is -inf (after the cap).  The
-    bias and mask tiles are read from shared memory where they are used, so no registers hold them
-    across the GEMMs (loaded a tile ahead into registers, they spilled)."""
+    """Online softmax of one S tile: (P, new row max, new row sum, the factor rescaling old O). Row maxima are kept in
+    the exp2 domain (times qk_scale), so P = exp2(S * qk_scale - m) is one FMA per element.  HAS_BIAS: the bias
+    tile joins S in S's own units (bias_in = 1 / scale), one FMA, so that the scale applied after it gives S *
+    scale + bias.  SOFTCAP: S becomes tanh(S * scale / cap) first (cap_in = scale / cap), and the caller's qk_scale
+    is cap * log2 e, so that FMA gives cap * tanh(.) in log2 units (rules.logits' constants, finite for every legal
+    scale and cap); SOFTCAP_FIXED: those scores, bounded by the cap, are taken against the fixed reference m_i
+    (_fwd_tile) with no row maximum and no factor (the one returned is unused).  HAS_MASK: where the attention
+    mask's tile is 0, S is -inf (after the cap).  The bias and mask tiles are read from shared memory where they
+    are used, so no registers hold them across the GEMMs (loaded a tile ahead into registers, they spilled)."""
     if HAS_BIAS:
         s = s + bias_buf.load(s.type.layout).to(gl.float32) * bias_in
     if SOFTCAP != 0:
@@ -216,7 +220,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, rows, seqlen_k, diag, window_left, maske
         s = gl.where(ok, s, float("-inf"))
     if HAS_MASK:
         s = masked_scores(s, mask_buf, s.shape[0], BN)
-    if SOFTCAP == 3:   # rules.SOFTCAP_MUFU_FIXED_MAX: m_i is the fixed reference; nothing to rescale
+    if SOFTCAP == SOFTCAP_FIXED:   # m_i is the fixed reference (_fwd_tile); nothing to rescale
         m_new = m_i
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
         alpha = m_i
@@ -307,11 +311,12 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
     MASK_ROW = MASK_ROW + gl.multiple_of(half_row0.to(gl.int64) * mask_stride_s, [8])
     bias_rows = (bias_copy_rows, bias_stride_s)   # (rows, stride): copy_score_tile
     mask_rows = (mask_copy_rows, mask_stride_s)
-    FIXED_MAX: gl.constexpr = SOFTCAP == 3
+    FIXED_MAX: gl.constexpr = SOFTCAP == SOFTCAP_FIXED
     if FIXED_MAX:
-        # Capped scores lie in [-K, K], K = cap log2 e = qk_scale: P = exp2(score - (K - 56)+) stays within
-        # [2^-(2K - 56), 2^56], normal in bf16 and fp32 for the caps plan.gluon_softcap admits; no rescaling of O.
-        m_i = gl.full([HM], 0.0, gl.float32, row_s) + gl.maximum(qk_scale - 56.0, 0.0)
+        # Capped scores lie in [-K, K], K = cap log2 e = qk_scale: P = exp2(score - max(K - P_MAX_LOG2, 0)) stays
+        # within [2^-(2K - P_MAX_LOG2), 2^P_MAX_LOG2], normal in bf16 and fp32 for the caps plan.gluon_softcap
+        # admits; no rescaling of O.
+        m_i = gl.full([HM], 0.0, gl.float32, row_s) + gl.maximum(qk_scale - P_MAX_LOG2, 0.0)
     else:
         m_i = gl.full([HM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HM], gl.float32, row_s)

@@ -277,10 +277,12 @@ def _memoised(plan_fn):
 
 
 # Capped scores lie in [-cap, cap]: the Gluon forward takes them against a fixed reference, max(K - 56, 0) in log2
-# units with K = cap * log2 e, instead of a running row maximum (no row max, no rescaling of O per key tile).  Every
-# P is then in [2^-(2K - 56), 2^56]: normal in bf16 (the P V GEMM's operand) and fp32 for K <= 73 (cap <= 50.6, which
-# Gemma 2's 50 meets), and the row sums stay below 2^87 for 2^31 keys.  Not fp16, whose P overflows past 2^16.
-SOFTCAP_FIXED_MAX_LOG2 = 73.0
+# units with K = cap * log2 e (56: rules.SOFTCAP_P_MAX_LOG2), instead of a running row maximum (no row max, no
+# rescaling of O per key tile).  Every P is then in [2^-(2K - 56), 2^56].  The largest leaves the row sums below 2^87
+# for 2^31 keys and O's accumulator finite for |V| * Sk < 2^72; the smallest, at most 2^-90 for K <= 73 (cap <= 50.6,
+# which Gemma 2's 50 meets), leaves the products P * V normal in fp32 for |V| >= 2^-36.  Not fp16, whose P (the P V
+# GEMM's operand) overflows past 2^16.
+SOFTCAP_FIXED_MAX_LOG2 = (90.0 + rules.SOFTCAP_P_MAX_LOG2) / 2
 
 
 def gluon_softcap(shapes: FlashShapes, options: FlashOptions, softcap: int) -> int:

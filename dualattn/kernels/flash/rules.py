@@ -249,8 +249,10 @@ def load_bias(BIAS_ROW, offs_m, offs_n, bias_stride_s, seqlen_q, seqlen_k, TRANS
 
 # SOFTCAP constexpr: how the scores are capped.  SOFTCAP_MUFU_FIXED_MAX (the Gluon forward only): the MUFU tanh,
 # and the capped scores, bounded by the cap, taken against a fixed reference instead of a running row maximum
-# (plan.softcap_fixed_max).
+# (plan.gluon_softcap): P = exp2(s - max(K - SOFTCAP_P_MAX_LOG2, 0)) for capped scores s in [-K, K] (log2 units),
+# so no P exceeds 2^SOFTCAP_P_MAX_LOG2.
 SOFTCAP_NONE, SOFTCAP_EXP2, SOFTCAP_MUFU, SOFTCAP_MUFU_FIXED_MAX = 0, 1, 2, 3
+SOFTCAP_P_MAX_LOG2 = 56.0
 
 
 @triton.jit
@@ -260,7 +262,7 @@ def capped_tanh(x, SOFTCAP: tl.constexpr):
     of P at cap 50; FA3 caps with it too).  SOFTCAP_EXP2: 1 - 2 / (2^(2x log2 e) + 1),
     an ex2 and an approximate reciprocal, accurate to fp32 rounding, saturating cleanly at +-1; the
     interpreter (no inline PTX), fp32 inputs and other GPUs run it."""
-    if SOFTCAP == 2:
+    if SOFTCAP >= 2:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     else:
