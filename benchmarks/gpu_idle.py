@@ -17,7 +17,6 @@ import os
 import pstats
 import sys
 import tempfile
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from dualattn.bench.flash import throughput_ms
 from dualattn.bench.options import CASES, dualattn_torch, make_problem
 from dualattn.bench.systems import TorchFrontEnd
+from host_issue import issue_times   # (benchmarks/, the script's folder, is on sys.path)
 
 CALLS = 20
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
@@ -46,26 +46,8 @@ def trace_events(step) -> list:
             return json.load(f)["traceEvents"]
 
 
-def issue_times(step, calls: int = 100, profiler=None) -> list:
-    """Host ms to enqueue each of `calls` calls, queued behind a sleeping GPU (so nothing the GPU does holds
-    them back): the median is the host's steady cost, the outliers its hiccups."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))   # ~1 s: longer than issuing the calls
-    if profiler is not None:
-        profiler.enable()
-    out, times = None, []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        out = step.launch()
-        times.append((time.perf_counter() - t0) * 1e3)
-    if profiler is not None:
-        profiler.disable()
-    step.sync(out)
-    return times
-
-
 def issue_report(step, label: str) -> None:
-    times = sorted(issue_times(step))
+    times = sorted(issue_times(step.launch))
     median = times[len(times) // 2]
     slow = [t for t in times if t > 2 * median]
     print(f"  host ms to issue a call, GPU asleep{label}: median {median:.4f}, p90 {times[int(len(times) * 0.9)]:.4f}, "
@@ -128,7 +110,7 @@ def main():
                 gc.enable()
             if profiled:
                 profiler = cProfile.Profile()
-                issue_times(step, CALLS, profiler)
+                issue_times(step.launch, CALLS, profiler)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 

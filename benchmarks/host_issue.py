@@ -83,6 +83,25 @@ def behind_sleep(call, n=N):
     return start.elapsed_time(end) * 1e3 / n, issue * 1e6 / n, issue / slept
 
 
+def issue_times(call, n=N, profiler=None) -> list:
+    """Host ms to issue each of n calls, queued behind a sleeping GPU (nothing the GPU does holds them back): the
+    median is the host's steady cost, the outliers its hiccups (benchmarks/gpu_idle.py).  `profiler`: a
+    cProfile.Profile enabled around the issuing."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    if profiler is not None:
+        profiler.enable()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if profiler is not None:
+        profiler.disable()
+    torch.cuda.synchronize()
+    return times
+
+
 def back_to_back(call, n=N):
     torch.cuda.synchronize()
     t0 = time.perf_counter()

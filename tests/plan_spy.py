@@ -3,44 +3,33 @@ tests/conftest.py), so that none depends on another folder's test module being i
 from dualattn.kernels.flash import plan as flash_plan
 
 
-def spy_kernels(monkeypatch, plan_name="plan_backward") -> list:
-    """The kernel names of every launch flash_plan.<plan_name> gives from then on (the backward's
-    dK/dV launch, or the forward launch)."""
-    kernels, real = [], getattr(flash_plan, plan_name)
+def _spy(monkeypatch, plan_name: str, record) -> list:
+    """record(head launch) of every plan flash_plan.<plan_name> gives from then on: the forward's launch, or the
+    backward's dK/dV launch."""
+    seen, real = [], getattr(flash_plan, plan_name)
 
     def spy(*args, **kwargs):
         planned = real(*args, **kwargs)
-        kernels.append(planned.dkdv.kernel if plan_name == "plan_backward" else planned.kernel)
+        seen.append(record(planned.dkdv if plan_name == "plan_backward" else planned))
         return planned
 
     monkeypatch.setattr(flash_plan, plan_name, spy)
-    return kernels
+    return seen
+
+
+def spy_kernels(monkeypatch, plan_name="plan_backward") -> list:
+    """The kernel names of every launch flash_plan.<plan_name> gives from then on (the backward's
+    dK/dV launch, or the forward launch)."""
+    return _spy(monkeypatch, plan_name, lambda launch: launch.kernel)
 
 
 def spy_chains(monkeypatch, plan_name="plan_forward") -> list:
     """Every launch chain flash_plan.<plan_name> gives from then on, as its kernel names (the forward's
     chain, or the backward's dK/dV chain)."""
-    chains, real = [], getattr(flash_plan, plan_name)
-
-    def spy(*args, **kwargs):
-        planned = real(*args, **kwargs)
-        head = planned.dkdv if plan_name == "plan_backward" else planned
-        chains.append([launch.kernel for launch in head.chain])
-        return planned
-
-    monkeypatch.setattr(flash_plan, plan_name, spy)
-    return chains
+    return _spy(monkeypatch, plan_name, lambda head: [launch.kernel for launch in head.chain])
 
 
 def spy_launches(monkeypatch, plan_name="plan_forward") -> list:
     """Every launch flash_plan.<plan_name> gives from then on (the forward's, or the backward's dK/dV launch):
     for tests that check a launch's constexprs, not only its kernel."""
-    launches, real = [], getattr(flash_plan, plan_name)
-
-    def spy(*args, **kwargs):
-        planned = real(*args, **kwargs)
-        launches.append(planned.dkdv if plan_name == "plan_backward" else planned)
-        return planned
-
-    monkeypatch.setattr(flash_plan, plan_name, spy)
-    return launches
+    return _spy(monkeypatch, plan_name, lambda launch: launch)
