@@ -1,6 +1,7 @@
 """The NSA selected-branch kernels compiled ahead of time for sm_90 and sm_80 (no GPU needed), from the
 very launch plans the front ends run: both loops, small and large groups, D up to 256, every dtype; the
-backward's dQ pass, key-major dK / dV chunk pass and its reduction, none with atomics."""
+key-major forward and dQ pass (selection keys, partials, their merge or sum), the query-major dQ pass,
+the key-major dK / dV chunk pass and its reduction, none with atomics."""
 from __future__ import annotations
 
 import re
@@ -27,16 +28,24 @@ def _launch(kernel, dtype, d, group, block_size, slots, seqlen, scan, per_token,
                                 per_token_counts=per_token, varlen=varlen, sequences=3 if varlen else 0,
                                 total=seqlen if varlen else 0)
     if kernel == "fwd":
-        launch = nsa_plan.plan_forward(shapes, d ** -0.5, 0 if per_token else slots, scan=scan)
+        launch = nsa_plan.plan_forward(shapes, d ** -0.5, 0 if per_token else slots, scan=scan, by_key=False)
+    elif kernel.startswith("fwd-"):
+        by_key = nsa_plan.plan_forward(shapes, d ** -0.5, 0 if per_token else slots, by_key=True)
+        launch = dict(zip(("fwd-keys", "fwd-partial", "fwd-merge"), (by_key.keys, *by_key.partial.chain)))[kernel]
+    elif kernel.startswith("bwd-km-"):
+        by_key = nsa_plan.plan_backward(shapes, d ** -0.5, 0 if per_token else slots, by_key=True)
+        launch = dict(zip(("bwd-km-delta", "bwd-km-keys", "bwd-km-dq", "bwd-km-dq-sum"),
+                          (*by_key.prepare, *by_key.dq.chain)))[kernel]
     else:
-        backward = nsa_plan.plan_backward(shapes, d ** -0.5, 0 if per_token else slots, scan=scan)
+        backward = nsa_plan.plan_backward(shapes, d ** -0.5, 0 if per_token else slots, scan=scan, by_key=False)
         launch = dict(zip(("bwd-dq", "bwd-dkv", "bwd-dkv-reduce"), (backward.dq, *backward.dkdv.chain)))[kernel]
     dtypes = dict(query=dtype, key=dtype, value=dtype, out=dtype, dout=dtype, lse="float32",
                   block_indices="int32", block_counts="int32", cu_seqlens="int32", delta="float32",
                   entry_order="int32", bucket_starts="int32", chunk_buckets="int32", chunk_starts="int32",
-                  dk_chunks="float32", dv_chunks="float32")
-    # (key, value: what the reduction's dk, dv are typed like; the chain's earlier inputs at run time.)
-    dtypes = {name: dtypes[name] for name in (*launch.inputs, "key", "value")}
+                  dk_chunks="float32", dv_chunks="float32", part_o=dtype, part_lse="float32", part_dq=dtype)
+    # (query, key, value: what the merge's out and the reduction's dk, dv are typed like; the chain's earlier inputs
+    # at run time.)
+    dtypes = {name: dtypes[name] for name in (*launch.inputs, "query", "key", "value")}
     if not per_token:
         dtypes.pop("block_counts", None)
     if not varlen:
@@ -45,17 +54,20 @@ def _launch(kernel, dtype, d, group, block_size, slots, seqlen, scan, per_token,
 
 
 FAST = {("bf16-d128-g16-entries", 90), ("fp16-d64-g1-scan-varlen", 80)}
+# The kernels: query-major forward and backward, the key-major forward's and dQ's (fwd-*, bwd-km-*).
+DOTS = ("fwd", "bwd-dq", "bwd-dkv", "fwd-partial", "bwd-km-dq")
+NO_DOTS = ("bwd-dkv-reduce", "fwd-keys", "fwd-merge", "bwd-km-delta", "bwd-km-dq-sum")
 
 
 @pytest.mark.parametrize("variant, kernel, arch", [
     pytest.param(v, k, a, id=f"sm{a}-{k}-{v}", marks=() if (v, a) in FAST else pytest.mark.slow)
-    for v in VARIANTS for k in ("fwd", "bwd-dq", "bwd-dkv", "bwd-dkv-reduce") for a in (90, 80)])
+    for v in VARIANTS for k in (*DOTS, *NO_DOTS) for a in (90, 80)])
 def test_compile_nsa(variant, kernel, arch):
     launch, dtypes = _launch(kernel, *VARIANTS[variant])
     compiled = compile_check.compile_launch(launch, dtypes, arch=arch)
     ptx = compiled.asm["ptx"]
     assert f".entry {launch.kernel}(" in ptx and f".target sm_{arch}" in ptx
-    assert kernel == "bwd-dkv-reduce" or "mma" in ptx, f"{variant}: no tensor-core MMA"
+    assert kernel in NO_DOTS or "mma" in ptx, f"{variant}: no tensor-core MMA"
     assert compiled.metadata.shared <= MAX_SHARED[arch], f"{variant}: {compiled.metadata.shared} bytes of shared memory"
     assert not re.search(r"\b(red|atom)\.global", ptx), "no atomics: every gradient element is written once"
 

@@ -39,7 +39,8 @@ def _int_inputs(block_indices, block_counts, cu_seqlens) -> dict:
 
 def _selected_forward(call: _SelectedCall, query, key, value, block_indices, block_counts, cu_seqlens):
     arrays = dict(query=query, key=key, value=value, **_int_inputs(block_indices, block_counts, cu_seqlens))
-    res = _launch.run(nsa_plan.plan_forward(call.shapes, call.softmax_scale, call.block_count), arrays)
+    res = nsa_plan.run_forward(nsa_plan.plan_forward(call.shapes, call.softmax_scale, call.block_count), arrays,
+                               _launch.run, inverted_index)
     return res["out"], (query, key, value, res["out"], res["lse"], block_indices, block_counts, cu_seqlens)
 
 
@@ -48,7 +49,7 @@ def _selected(call: _SelectedCall, query, key, value, block_indices, block_count
     return _selected_forward(call, query, key, value, block_indices, block_counts, cu_seqlens)[0]
 
 
-def inverted_index(selection_keys, plan: nsa_plan.BackwardPlan) -> dict:
+def inverted_index(selection_keys, plan) -> dict:
     """As the torch front end's (dualattn.torch_api.nsa.inverted_index): int32 throughout, since JAX
     has no int64 without x64 (plan.check_index_range bounds the keys); static shapes."""
     flat = selection_keys.reshape(-1)
@@ -65,10 +66,8 @@ def _selected_backward(call: _SelectedCall, residuals, dout):
     query, key, value, out, lse, block_indices, block_counts, cu_seqlens = residuals
     arrays = dict(query=query, key=key, value=value, out=out, dout=dout.astype(out.dtype), lse=lse,
                   **_int_inputs(block_indices, block_counts, cu_seqlens))
-    plan = nsa_plan.plan_backward(call.shapes, call.softmax_scale, call.block_count)
-    grads = _launch.run(plan.dq, arrays)
-    grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"], **inverted_index(grads["selection_keys"],
-                                                                                              plan))))
+    grads = nsa_plan.run_backward(nsa_plan.plan_backward(call.shapes, call.softmax_scale, call.block_count), arrays,
+                                  _launch.run, inverted_index)
     return (grads["dq"], grads["dk"].astype(key.dtype), grads["dv"].astype(value.dtype), None, None, None)
 
 

@@ -32,8 +32,9 @@ def _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
                 cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
 
 
-def inverted_index(selection_keys: Tensor, plan: nsa_plan.BackwardPlan) -> dict:
-    """The int32 index of the key-major dK / dV pass (kernels/nsa/plan.py, BackwardPlan): the selection
+def inverted_index(selection_keys: Tensor, plan) -> dict:
+    """The int32 index of the key-major passes (kernels/nsa/plan.py: BackwardPlan's dK / dV, KeyMajorForward's
+    partials; `plan` gives buckets, chunk_entries and max_chunks): the selection
     entries sorted by bucket key, stably (in token order within a bucket), where each of the buckets'
     lists starts (key 0, entries that do not count, sorts first), and the lists' chunks."""
     keys, order = torch.sort(selection_keys.flatten(), stable=True)
@@ -92,7 +93,7 @@ class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, shapes, scale, count):
         arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
-        res = _launch.run(nsa_plan.plan_forward(shapes, scale, count), arrays)
+        res = nsa_plan.run_forward(nsa_plan.plan_forward(shapes, scale, count), arrays, _launch.run, inverted_index)
         ctx.save_for_backward(*(arrays[n] for n in ("query", "key", "value")), res["out"], res["lse"],
                               arrays["block_indices"], arrays["block_counts"], arrays["cu_seqlens"])
         ctx.shapes, ctx.scale, ctx.count, ctx.dtype = shapes, scale, count, query.dtype
@@ -103,10 +104,8 @@ class _SelectedAttention(torch.autograd.Function):
         q, k, v, out, lse, idx, counts, cu = ctx.saved_tensors
         arrays = dict(query=q, key=k, value=v, out=out, dout=_cpu_upcast(dout.contiguous()).to(out.dtype), lse=lse,
                       block_indices=idx, block_counts=counts, cu_seqlens=cu)
-        plan = nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count)
-        grads = _launch.run(plan.dq, arrays)
-        grads.update(_launch.run(plan.dkdv, dict(arrays, delta=grads["delta"],
-                                                 **inverted_index(grads["selection_keys"], plan))))
+        grads = nsa_plan.run_backward(nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count), arrays, _launch.run,
+                                      inverted_index)
         dtype = ctx.dtype
         return (grads["dq"].to(dtype), grads["dk"].to(dtype), grads["dv"].to(dtype), None, None, None, None, None,
                 None)

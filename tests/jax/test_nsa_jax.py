@@ -38,8 +38,15 @@ def _check(fn, ref_fn, arrays, rng, tol=FP32_TOL):
         assert_close_rel(np.asarray(g), r, tol, f"grad {i}")
 
 
-@pytest.mark.parametrize("backend, group, seqlen, block_size", [("xla", 8, 40, 32), ("triton", 4, 48, 16)])
-def test_selected_branch(rng, backend, group, seqlen, block_size):
+def _force_key_major(monkeypatch, by_key):
+    from dualattn.kernels.nsa import plan as nsa_plan
+    monkeypatch.setattr(nsa_plan, "key_major", lambda shapes: by_key)
+
+
+@pytest.mark.parametrize("backend, group, seqlen, block_size, by_key", [
+    ("xla", 8, 40, 32, False), ("triton", 4, 48, 16, False), ("triton", 2, 72, 16, True)])
+def test_selected_branch(rng, monkeypatch, backend, group, seqlen, block_size, by_key):
+    _force_key_major(monkeypatch, by_key)
     q, k, v, idx, counts = _inputs(rng, seqlen, group, 1, 16, 3, block_size)
     _check(lambda q, k, v: jax_api.apply_native_sparse_attention(q, k, v, jnp.asarray(idx), jnp.asarray(counts),
                                                                  block_size, backend=backend),
@@ -82,8 +89,11 @@ def test_native_sparse_attention_varlen_xla(rng):
                lambda *a: reference_nsa(*a, cu_seqlens=cu, **opts)[0], (q, k, v, *gates), rng)
 
 
-def test_torch_jax_parity(rng):
-    """The same interpreted kernels from both front ends: identical outputs and block choices."""
+@pytest.mark.parametrize("by_key", [False, True])
+def test_torch_jax_parity(rng, monkeypatch, by_key):
+    """The same interpreted kernels from both front ends (the selected branch query- or key-major):
+    identical outputs and block choices."""
+    _force_key_major(monkeypatch, by_key)
     q, k, v, idx, counts = _inputs(rng, 48, 4, 2, 16, 3, 16)
     gates = [rng.random((1, 48, 4)).astype(np.float32) for _ in range(2)]
     got_jax = jax_api.apply_native_sparse_attention(*map(jnp.asarray, (q, k, v, idx, counts)), block_size=16,

@@ -68,6 +68,7 @@ def test_kernel_names_are_the_launched_kernels():
     assert plan.plan_dropout_mask(1, 1, 8, 8, 0.5, 0).kernel in names
     # every algorithm's kernels, not only flash's: NSA's dK/dV ran 25% slower under jaxlib's ptxas
     assert {"nsa_fwd_kernel", "nsa_bwd_dq_kernel", "nsa_bwd_dkv_kernel", "nsa_importance_kernel", "nsa_topk_kernel",
+            "nsa_fwd_partial_kernel", "nsa_fwd_merge_kernel", "nsa_bwd_dq_partial_kernel", "nsa_bwd_dq_sum_kernel",
             "nsa_gate_kernel", "segment_ranges_kernel", "varlen_segment_ids_kernel"} <= set(names)
 
 

@@ -47,20 +47,32 @@ def check_selected(q, k, v, idx, counts, block_size, tol, cu_seqlens=None, scale
         assert_close_rel(g, r, tol, name)
 
 
-# (group, seqlen, head_dim, head_dim_v, block_size, scan): every group size once, both loops
-# (selection entries, and the scan over blocks), D not a power of two, Dv != D, a ragged end.
+def force_loop(monkeypatch, loop):
+    """Run the forward's query-major loop over selection entries ("entries") or over blocks ("scan"), or
+    the key-major forward ("by_key"), whatever the plan would pick.  The dQ pass follows `scan`."""
+    monkeypatch.setattr(nsa_plan, "scan_blocks", lambda shapes, t: loop == "scan")
+    monkeypatch.setattr(nsa_plan, "key_major", lambda shapes: loop == "by_key")
+
+
+# (group, seqlen, head_dim, head_dim_v, block_size, loop): every group size and every loop, D not a power
+# of two, Dv != D, a ragged end; key-major with blocks of one key tile (held for the walk) and of two
+# (fp32 tiles of 32 keys for blocks of 64: reloaded per step).
 SELECTED_CASES = [
-    (1, 56, 32, None, 16, False),
-    (2, 72, 24, None, 16, True),
-    (4, 50, 16, 32, 32, False),
-    (8, 48, 32, None, 16, True),
-    (16, 24, 16, None, 16, False),
+    (1, 56, 32, None, 16, "by_key"),
+    (2, 72, 24, None, 16, "scan"),
+    (2, 160, 16, None, 64, "by_key"),
+    (4, 50, 16, 32, 32, "entries"),
+    (4, 50, 16, 32, 32, "by_key"),
+    (8, 48, 32, None, 16, "scan"),
+    (8, 48, 24, None, 16, "by_key"),
+    (16, 24, 16, None, 16, "entries"),
+    (16, 40, 16, None, 16, "by_key"),
 ]
 
 
-@pytest.mark.parametrize("group, seqlen, d, dv, block_size, scan", SELECTED_CASES)
-def test_selected_branch(torch_gen, monkeypatch, group, seqlen, d, dv, block_size, scan):
-    monkeypatch.setattr(nsa_plan, "scan_blocks", lambda shapes, t: scan)
+@pytest.mark.parametrize("group, seqlen, d, dv, block_size, loop", SELECTED_CASES)
+def test_selected_branch(torch_gen, monkeypatch, group, seqlen, d, dv, block_size, loop):
+    force_loop(monkeypatch, loop)
     heads_kv = 2 if group == 2 else 1
     q, k, v = qkv(torch_gen, 1, seqlen, group * heads_kv, heads_kv, d, dv)
     idx, counts = random_selection(torch_gen, 1, seqlen, heads_kv, 3, block_size)
@@ -73,7 +85,9 @@ def test_selected_branch_scalar_count_and_batch(torch_gen):
     check_selected(q, k, v, idx, 2, 16, FP32_TOL)
 
 
-def test_selected_branch_varlen(torch_gen):
+@pytest.mark.parametrize("loop", ["scan", "by_key"])
+def test_selected_branch_varlen(torch_gen, monkeypatch, loop):
+    force_loop(monkeypatch, loop)
     cu = torch.tensor([0, 37, 40, 80], dtype=torch.int32)
     q, k, v = qkv(torch_gen, 1, 80, 2, 1, 16)
     idx, counts = random_selection(torch_gen, 1, 80, 1, 3, 16)
@@ -110,12 +124,16 @@ def test_selected_branch_block_of_many_tokens_and_of_none(torch_gen):
         assert torch.count_nonzero(grad[:, :block_size]) == grad[:, :block_size].numel()
 
 
-def test_selected_branch_list_split_over_chunks(torch_gen, monkeypatch):
+@pytest.mark.parametrize("loop", ["scan", "by_key"])
+def test_selected_branch_list_split_over_chunks(torch_gen, monkeypatch, loop):
     """Block 0 is named twice by every token, a 256-entry list cut into chunks of 7 entries (odd, so
     chunk edges fall between a token's two entries: the second must still be dropped); its partial
-    dK, dV are summed by the reduction.  Against the reference, and bitwise reproducible."""
+    dK, dV are summed by the reduction, and key-major its partial outputs merged per token.  Against
+    the reference, and bitwise reproducible."""
     chunk = 7
+    force_loop(monkeypatch, loop)
     monkeypatch.setattr(nsa_plan, "dkv_chunk", lambda shapes: chunk)
+    monkeypatch.setattr(nsa_plan, "key_major_chunk", lambda shapes: chunk)
     group, seqlen, block_size = 2, 128, 16
     shapes = nsa_plan.NsaShapes(1, seqlen, group, 1, 16, 16, 3, block_size, "float32", False)
     plan = nsa_plan.plan_backward(shapes, 0.25, 3)
@@ -126,17 +144,22 @@ def test_selected_branch_list_split_over_chunks(torch_gen, monkeypatch):
     idx = idx[None, :, None, :].contiguous()
     check_selected(q, k, v, idx, 3, block_size, FP32_TOL)
     dout = torch.randn(1, seqlen, group, 16, generator=torch_gen)
-    first = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, 3, block_size), (q, k, v), dout)
-    again = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, 3, block_size), (q, k, v), dout)
+    out = apply_native_sparse_attention(q, k, v, idx, 3, block_size)
+    out_again = apply_native_sparse_attention(q, k, v, idx, 3, block_size)
+    assert torch.equal(out, out_again)
+    first = torch.autograd.grad(out, (q, k, v), dout)
+    again = torch.autograd.grad(out_again, (q, k, v), dout)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     for grad in first[1:]:   # block 2: selected by nobody
         assert torch.count_nonzero(grad[:, 2 * block_size:3 * block_size]) == 0
 
 
-def test_selected_branch_varlen_rows_outside_every_sequence(torch_gen):
-    """Packed rows after the last sequence select nothing: zero gradients there, the rest as the
-    reference of the sequences alone."""
+@pytest.mark.parametrize("loop", ["scan", "by_key"])
+def test_selected_branch_varlen_rows_outside_every_sequence(torch_gen, monkeypatch, loop):
+    """Packed rows after the last sequence select nothing: zero output and gradients there, the rest as
+    the reference of the sequences alone."""
+    force_loop(monkeypatch, loop)
     cu = torch.tensor([0, 21, 60], dtype=torch.int32)
     q, k, v = qkv(torch_gen, 1, 72, 4, 2, 16)
     idx, counts = random_selection(torch_gen, 1, 72, 2, 3, 16)
@@ -146,13 +169,16 @@ def test_selected_branch_varlen_rows_outside_every_sequence(torch_gen):
     leaves = [x.detach()[:, :60].double().requires_grad_() for x in (q, k, v)]
     ref = reference_selected(*leaves, idx[:, :60], counts[:, :60], 16, None, cu)
     assert_close_rel(out[:, :60], ref, FP32_TOL, "out")
+    assert torch.count_nonzero(out[:, 60:]) == 0
     for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, leaves, dout[:, :60].double())):
         assert_close_rel(g[:, :60], r, FP32_TOL, name)
         assert torch.count_nonzero(g[:, 60:]) == 0, name
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_selected_branch_half(torch_gen, dtype):
+@pytest.mark.parametrize("dtype, loop", [(torch.bfloat16, "scan"), (torch.float16, "scan"),
+                                         (torch.bfloat16, "by_key")])
+def test_selected_branch_half(torch_gen, monkeypatch, dtype, loop):
+    force_loop(monkeypatch, loop)
     q, k, v = qkv(torch_gen, 1, 64, 2, 1, 32, dtype=dtype)
     idx, counts = random_selection(torch_gen, 1, 64, 1, 2, 16)
     check_selected(q, k, v, idx, counts, 16, HALF_TOL[dtype])
@@ -160,8 +186,10 @@ def test_selected_branch_half(torch_gen, dtype):
     assert out.dtype == dtype
 
 
-def test_selected_branch_duplicates_count_once(torch_gen):
+@pytest.mark.parametrize("loop", ["scan", "by_key"])
+def test_selected_branch_duplicates_count_once(torch_gen, monkeypatch, loop):
     """Naming a block twice is the same as naming it once (not a doubled weight)."""
+    force_loop(monkeypatch, loop)
     q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
     once = torch.tensor([0, 3, -1, -1], dtype=torch.int32).expand(1, 64, 1, 4).contiguous()
     twice = torch.tensor([0, 3, 0, 3], dtype=torch.int32).expand(1, 64, 1, 4).contiguous()
@@ -317,9 +345,11 @@ def test_bad_gates(torch_gen):
 # ---------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", [1, 4, 16])
+@pytest.mark.parametrize("group, loop", [(1, "scan"), (4, "scan"), (16, "entries"), (1, "by_key"), (4, "by_key"),
+                                         (8, "by_key")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_selected_branch_gpu(torch_gen, group, dtype):
+def test_selected_branch_gpu(torch_gen, monkeypatch, group, loop, dtype):
+    force_loop(monkeypatch, loop)
     seqlen, block_size = 1024, 64
     q, k, v = qkv(torch_gen, 1, seqlen, 2 * group, 2, 128, dtype=dtype, device="cuda")
     idx, counts = random_selection(torch_gen, 1, seqlen, 2, 16, block_size)
@@ -340,12 +370,14 @@ def test_selected_branch_narrow_values_gpu(torch_gen, d, dv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", [4, 16])
-def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group):
+@pytest.mark.parametrize("group, loop", [(4, "scan"), (16, "entries"), (4, "by_key")])
+def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group, loop):
     """Compiled chunk and reduction kernels: block 0 in nearly every token's selection, its list cut
-    into many chunks of 37 entries (the default chunks hold whole lists at 1k tokens); against the
-    reference, and bitwise reproducible."""
+    into many chunks of 37 entries (the default chunks hold whole lists at 1k tokens), in the
+    backward and, key-major, in the forward; against the reference, and bitwise reproducible."""
+    force_loop(monkeypatch, loop)
     monkeypatch.setattr(nsa_plan, "dkv_chunk", lambda shapes: 37)
+    monkeypatch.setattr(nsa_plan, "key_major_chunk", lambda shapes: 37)
     seqlen, block_size = 1024, 64
     q, k, v = qkv(torch_gen, 1, seqlen, 2 * group, 2, 128, dtype=torch.bfloat16, device="cuda")
     idx, counts = random_selection(torch_gen, 1, seqlen, 2, 16, block_size)
@@ -355,7 +387,9 @@ def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group):
     out = apply_native_sparse_attention(q, k, v, idx, counts, block_size)
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), dout)
-    again = torch.autograd.grad(apply_native_sparse_attention(q, k, v, idx, counts, block_size), (q, k, v), dout)
+    out_again = apply_native_sparse_attention(q, k, v, idx, counts, block_size)
+    assert torch.equal(out, out_again)
+    again = torch.autograd.grad(out_again, (q, k, v), dout)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
 

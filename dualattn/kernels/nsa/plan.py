@@ -1,7 +1,9 @@
 """Launch plan of the NSA selected-branch kernels (selected.py), shared by the torch and JAX front ends.
 
-Loop order by group size.  A program's rows are all GROUP query heads of a KV group for TOKENS
-consecutive tokens, and it walks the union of those tokens' selected key blocks, each once:
+Loop order by group size.  The forward of groups under 16 heads runs key-major (key_major.py: key
+block outer, the tokens that selected it gathered inner, partial outputs merged per token; key_major
+says when).  Otherwise, and in the dQ pass, a program's rows are all GROUP query heads of a KV group
+for TOKENS consecutive tokens, and it walks the union of those tokens' selected key blocks, each once:
 
 * GROUP >= 16 (the tensor-core minimum of 16 rows): TOKENS = 1.  One token per program, its S
   blocks in order: the NSA paper's loop (query outer, selected blocks inner), no idle rows.
@@ -13,6 +15,8 @@ consecutive tokens, and it walks the union of those tokens' selected key blocks,
   program does exactly the work that padding would have done, never more.
 
 Backward: two passes, no atomics (BackwardPlan).
+* dQ, key-major where the forward is (key_major.py: delta and the selection keys first, the inverted
+  index below, then partial dQ per entry and their sum per token).  Otherwise:
 * dQ: the forward's programs and loop (query-major), dQ finished in registers.  It also writes
   delta = rowsum(O * dO) and, per selection entry, its bucket (KV group, key block) + 1, or 0 for
   an entry that does not count (selection_tile's rule).
@@ -53,7 +57,7 @@ docs/nsa.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from ..launch import Launch, Output, cdiv, next_pow2, row_major_strides
 
@@ -176,6 +180,17 @@ DKV_REDUCE_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "kv")
     "seqlen", "total", "num_heads_kv", "kv_groups", "sm_scale")
 DKV_REDUCE_CONSTEXPRS = ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "BLOCK_SIZE", "BLOCK_N", "IS_VARLEN",
                          "STRIDES_ALIGNED")
+# The key-major forward's (key_major.py): its selection keys and merge read the indices; its partial pass
+# reads Q, K, V through the inverted index, as the dK / dV pass.
+KEYS_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "ic") + (
+    "seqlen", "total", "num_heads_kv", "block_count")
+PARTIAL_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "qkv") + (
+    "seqlen", "total", "num_heads_kv", "kv_groups", "chunk_entries", "sm_scale")
+MERGE_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "icol") + (
+    "seqlen", "total", "num_heads_kv", "block_count")
+DQ_SUM_SCALARS = KEYS_SCALARS[:6] + tuple(n for n in STRIDE_NAMES if n[len("stride_")] == "q") + (
+    "seqlen", "total", "num_heads_kv", "block_count", "sm_scale")
+DELTA_SCALARS = tuple(n for n in STRIDE_NAMES if n[len("stride_")] in "ol") + ("seqlen", "total", "num_heads_kv")
 # What the reduction takes on from the dK / dV launch.
 DKV_RESUME = (("dk_chunks", "dk_chunks"), ("dv_chunks", "dv_chunks"))
 
@@ -258,18 +273,181 @@ def lse_shape(shapes: NsaShapes) -> Tuple[int, int, int]:
     return (batch, rows, shapes.heads_q)
 
 
-def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int,
-                 scan: Optional[bool] = None) -> Launch:
-    """`scan`: force the SCAN_BLOCKS loop on or off (None: scan_blocks decides).
+def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int, scan: Optional[bool] = None,
+                 by_key: Optional[bool] = None) -> Union[Launch, KeyMajorForward]:
+    """The query-major launch, or with `by_key` (None: key_major decides) the key-major launches.
+    `scan`: force the query-major SCAN_BLOCKS loop on or off (None: scan_blocks decides).
     Outputs out (like query, (B, T, Hq, Dv)) and lse (fp32 (B, T, Hq), natural log).  Varlen
     rows past the last sequence are written by no program: both are filled beforehand."""
     t, scalars, constexprs, grid = _scalars_and_constexprs(shapes, softmax_scale, block_count, scan)
+    if key_major(shapes) and not scan if by_key is None else by_key:
+        return _plan_key_major(shapes, scalars, constexprs, grid)
     _, (batch, rows) = _strides(shapes)
     return Launch(
         module="nsa.selected", kernel="nsa_fwd_kernel", grid=grid, inputs=FWD_INPUTS, scalars=scalars,
         outputs=(Output("out", (batch, rows, shapes.heads_q, shapes.head_dim_v), "like:query", zeroed=shapes.varlen),
                  Output("lse", lse_shape(shapes), "float32", zeroed=shapes.varlen, fill=float("-inf"))),
         constexprs=constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+# The key-major forward (key_major.py): rows of a step, and a chunk's walk in rows (a program per chunk
+# reloads the block's K, V once, so chunks only need to be long against that and short against imbalance).
+KEY_MAJOR_ROWS = 64
+KEY_MAJOR_CHUNK_ROWS = 2048
+# Rows of a selection-keys program (tokens) and of a merge program (tokens * GROUP_PAD), the merge's warps
+# and pipeline stages.  Merge rows 128 on 4 warps against 64 (T = 64k, kernel ms): group 1 0.49 -> 0.44,
+# 4 1.93 -> 1.45, 8 3.34 -> 3.39 (results/2026-11-28_h200_nsa_key_major_sweep.json; ptxas spills 100 bytes
+# at D = 128); stages change nothing (the slot loop's loads are not pipelined), 8 warps were slower.
+KEYS_TOKENS = 64
+MERGE_ROWS = 128
+MERGE_WARPS = 4
+MERGE_STAGES = 1
+KEYS_INPUTS = ("block_indices", "block_counts", "cu_seqlens")
+PARTIAL_INPUTS = ("query", "key", "value", "entry_order", "bucket_starts", "chunk_buckets", "chunk_starts",
+                  "cu_seqlens")
+MERGE_INPUTS = ("block_indices", "block_counts", "cu_seqlens", "part_o", "part_lse")
+DQ_SUM_INPUTS = ("block_indices", "block_counts", "cu_seqlens", "part_dq")
+DELTA_INPUTS = ("out", "dout", "cu_seqlens")
+PARTIAL_CONSTEXPRS = DKV_CONSTEXPRS
+KEYS_CONSTEXPRS = ("TOKENS", "NUM_SLOTS", "BLOCK_SLOTS", "BLOCK_SIZE", "PER_TOKEN_COUNTS", "IS_VARLEN")
+MERGE_CONSTEXPRS = ("HEAD_DIM_V", "BLOCK_DV", "GROUP", "GROUP_PAD", "TOKENS", "NUM_SLOTS", "BLOCK_SLOTS",
+                    "BLOCK_SIZE", "PER_TOKEN_COUNTS", "IS_VARLEN", "STRIDES_ALIGNED")
+DQ_SUM_CONSTEXPRS = ("HEAD_DIM", "BLOCK_D") + MERGE_CONSTEXPRS[2:]
+DELTA_CONSTEXPRS = ("HEAD_DIM_V", "BLOCK_DV", "GROUP", "GROUP_PAD", "TOKENS", "IS_VARLEN", "STRIDES_ALIGNED")
+
+
+def key_major_tiles(shapes: NsaShapes) -> NsaTiles:
+    """The key-major forward's partial programs on 4 warps: KEY_MAJOR_ROWS rows (tokens * GROUP_PAD) and
+    64-key tiles, halved at D > 128 and again in fp32 (fp32 D = 256 at 32 rows and keys spilled 45 KB),
+    so that q, K, V and the fp32 output tile fit the registers.  A block of at most one tile stays in
+    registers for the walk; larger blocks are walked in tiles, reloaded per step.  Against 128 rows on 8
+    warps, 32 rows, or 8 warps (T = 64k, kernel ms at groups 1 / 4 / 8): 64 rows on 4 warps took 0.95 /
+    3.43 / 6.58 with 2 stages, 0.88 / 3.23 / 6.31 with 3, the others 1.18-1.38 / 4.5-5.4 / 8.2-9.7
+    (results/2026-11-28_h200_nsa_key_major_sweep.json)."""
+    group_pad = next_pow2(shapes.group_size)
+    big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
+    fp32 = shapes.dtype == "float32"
+    rows = KEY_MAJOR_ROWS >> (int(big_d) + int(fp32))
+    return NsaTiles(group_pad, max(1, rows // group_pad), min(shapes.block_size, rows), 4, 1 if big_d or fp32 else 3)
+
+
+def merge_tokens(shapes: NsaShapes) -> int:
+    """Tokens of a merge program: MERGE_ROWS rows (tokens * GROUP_PAD), half at Dv > 128."""
+    rows = MERGE_ROWS // 2 if shapes.head_dim_v > 128 else MERGE_ROWS
+    return max(1, rows // next_pow2(shapes.group_size))
+
+
+def key_major(shapes: NsaShapes) -> bool:
+    """Whether the forward runs key-major (key_major.py): for groups of fewer heads than a tensor-core
+    tile's rows, wherever the query-major programs would walk selection entries rather than scan
+    blocks (short sequences: there its sort, merge and extra launches cost more than they save).
+    Measured against the query-major forward (H200, bf16, D = 128, Hkv = 4, 16 blocks of 64, top-k
+    selections; benchmarks/ab_nsa_key_major.py, results/2026-11-28_h200_nsa_key_major_ab_final.json),
+    forward ms query-major -> key-major: T = 64k: group 1 12.1 -> 1.63, 2 12.5 -> 2.85, 4 13.5 -> 5.04,
+    8 14.5 -> 10.0, 16 15.5 -> 16.3 (at group 16 the partial outputs move as many bytes as the K / V
+    blocks they save); T = 8k: group 4 1.23 -> 0.87, 8 1.52 -> 1.33, but groups 1 and 2 (whose
+    programs scan there) 0.85 -> 1.16 and 1.04 -> 1.47 in that run, 0.86 -> 0.73 and 1.04 -> 0.86 in
+    the one before (..._ab.json): a few kernels' worth of GPU time behind the host's launches.
+    The dQ pass follows the same rule (plan_backward); selected-branch fwd + bwd ms, query-major ->
+    key-major, T = 64k: group 1 27.5 -> 5.6, 2 31.7 -> 10.0, 4 37.6 -> 18.9, 8 47.8 -> 37.7; T = 8k: group 4
+    3.76 -> 3.48, 8 5.33 -> 4.74 (results/2026-11-28_h200_nsa_key_major_dq_ab.json)."""
+    return shapes.group_size < TENSOR_CORE_ROWS and not scan_blocks(shapes, tiles(shapes))
+
+
+def key_major_chunk(shapes: NsaShapes) -> int:
+    """List entries per partial program: KEY_MAJOR_CHUNK_ROWS rows' worth, a multiple of its TOKENS."""
+    t = key_major_tiles(shapes)
+    return cdiv(max(1, KEY_MAJOR_CHUNK_ROWS // t.group_pad), t.tokens) * t.tokens
+
+
+def key_major_scratch_bytes(shapes: NsaShapes, backward: bool = False) -> int:
+    """The key-major forward's partial outputs and lse of every selection entry, entries * GROUP *
+    (Dv * itemsize + 4), or the dQ pass's partial dQ, entries * GROUP * D * itemsize."""
+    itemsize = 4 if shapes.dtype == "float32" else 2
+    per_row = shapes.head_dim * itemsize if backward else shapes.head_dim_v * itemsize + 4
+    return num_entries(shapes) * shapes.group_size * per_row
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMajorForward:
+    """The key-major forward's launches.  Launchers run `keys`, build the inverted index from its
+    selection_keys (inverted_index in each front end, with this plan's buckets, chunk_entries and
+    max_chunks, as for BackwardPlan), then `partial` (which runs the merge after it, `then`); the merge
+    outputs out and lse as plan_forward's query-major launch does."""
+    keys: Launch
+    partial: Launch
+    buckets: int
+    chunk_entries: int
+    max_chunks: int
+
+
+def _plan_key_major(shapes: NsaShapes, scalars: tuple, constexprs: tuple, grid: tuple) -> KeyMajorForward:
+    check_index_range(shapes)
+    _, (batch, rows) = _strides(shapes)
+    t = key_major_tiles(shapes)
+    chunk = key_major_chunk(shapes)
+    chunks = max_chunks(shapes, chunk)
+    scalar = dict(scalars, kv_groups=kv_groups(shapes), chunk_entries=chunk)
+    const = dict(constexprs)
+    merge = Launch(
+        module="nsa.key_major", kernel="nsa_fwd_merge_kernel",
+        grid=(cdiv(shapes.seqlen, merge_tokens(shapes)), kv_groups(shapes), 1), inputs=MERGE_INPUTS,
+        scalars=_pick(MERGE_SCALARS, scalar),
+        outputs=(Output("out", (batch, rows, shapes.heads_q, shapes.head_dim_v), "like:query", zeroed=shapes.varlen),
+                 Output("lse", lse_shape(shapes), "float32", zeroed=shapes.varlen, fill=float("-inf"))),
+        constexprs=_pick(MERGE_CONSTEXPRS, dict(const, TOKENS=merge_tokens(shapes))), num_warps=MERGE_WARPS,
+        num_stages=MERGE_STAGES, resume=(("part_o", "part_o"), ("part_lse", "part_lse")))
+    entries = num_entries(shapes)
+    partial = Launch(
+        module="nsa.key_major", kernel="nsa_fwd_partial_kernel", grid=(chunks, 1, 1), inputs=PARTIAL_INPUTS,
+        scalars=_pick(PARTIAL_SCALARS, scalar),
+        outputs=(Output("part_o", (entries, shapes.group_size, shapes.head_dim_v), "like:query"),
+                 Output("part_lse", (entries, shapes.group_size), "float32")),
+        constexprs=_pick(PARTIAL_CONSTEXPRS, dict(const, TOKENS=t.tokens, BLOCK_N=t.block_n)),
+        num_warps=t.num_warps, num_stages=t.num_stages, then=merge)
+    return KeyMajorForward(_keys_launch(shapes, scalar, const), partial, num_buckets(shapes), chunk, chunks)
+
+
+def _pick(names, values: dict) -> tuple:
+    return tuple((n, values[n]) for n in names)
+
+
+def _keys_launch(shapes: NsaShapes, scalar: dict, const: dict) -> Launch:
+    """Each selection entry's bucket key (key_major.nsa_selection_keys_kernel)."""
+    _, (batch, rows) = _strides(shapes)
+    return Launch(
+        module="nsa.key_major", kernel="nsa_selection_keys_kernel",
+        grid=(cdiv(shapes.seqlen, KEYS_TOKENS), kv_groups(shapes), 1), inputs=KEYS_INPUTS,
+        scalars=_pick(KEYS_SCALARS, scalar),
+        outputs=(Output("selection_keys", (batch, rows, shapes.heads_kv, shapes.num_slots), "int32",
+                        zeroed=shapes.varlen),),
+        constexprs=_pick(KEYS_CONSTEXPRS, dict(const, TOKENS=KEYS_TOKENS)), num_warps=4, num_stages=1)
+
+
+def _key_major_dq(shapes: NsaShapes, scalar: dict, const: dict) -> Tuple[Tuple[Launch, Launch], Launch]:
+    """The key-major dQ pass: (delta, selection keys), run before the inverted index, and the partial dQ
+    launch (its sum runs after it, `then`), run with it."""
+    _, (batch, rows) = _strides(shapes)
+    t = key_major_tiles(shapes)
+    tokens = merge_tokens(shapes)
+    row_grid = (cdiv(shapes.seqlen, tokens), kv_groups(shapes), 1)
+    delta = Launch(
+        module="nsa.key_major", kernel="nsa_bwd_delta_kernel", grid=row_grid, inputs=DELTA_INPUTS,
+        scalars=_pick(DELTA_SCALARS, scalar), outputs=(Output("delta", lse_shape(shapes), "float32"),),
+        constexprs=_pick(DELTA_CONSTEXPRS, dict(const, TOKENS=tokens)), num_warps=MERGE_WARPS, num_stages=1)
+    total = Launch(
+        module="nsa.key_major", kernel="nsa_bwd_dq_sum_kernel", grid=row_grid, inputs=DQ_SUM_INPUTS,
+        scalars=_pick(DQ_SUM_SCALARS, scalar),
+        outputs=(Output("dq", (batch, rows, shapes.heads_q, shapes.head_dim), "like:query", zeroed=shapes.varlen),),
+        constexprs=_pick(DQ_SUM_CONSTEXPRS, dict(const, TOKENS=tokens)), num_warps=MERGE_WARPS, num_stages=1,
+        resume=(("part_dq", "part_dq"),))
+    partial = Launch(
+        module="nsa.key_major", kernel="nsa_bwd_dq_partial_kernel", grid=(scalar["max_chunks"], 1, 1),
+        inputs=DKV_INPUTS, scalars=_pick(DKV_SCALARS, scalar),
+        outputs=(Output("part_dq", (num_entries(shapes), shapes.group_size, shapes.head_dim), "like:query"),),
+        constexprs=_pick(DKV_CONSTEXPRS, dict(const, TOKENS=t.tokens, BLOCK_N=t.block_n)),
+        num_warps=t.num_warps, num_stages=t.num_stages, then=total)
+    return (delta, _keys_launch(shapes, scalar, const)), partial
 
 
 def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
@@ -298,9 +476,10 @@ def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
-    """The backward launches.  Launchers run `dq`, build the inverted index from its selection_keys
-    (inverted_index in each front end, module docstring), then `dkdv` (which runs its reduction
-    after it, `then`) with dq's delta.  The index, all int32:
+    """The backward launches.  Launchers run `before_index` (the query-major dQ pass, or key-major the
+    delta and selection-keys launches), build the inverted index from its selection_keys
+    (inverted_index in each front end, module docstring), then `with_index` (key-major dQ partials and
+    their sum, then `dkdv`, which runs its reduction after it, `then`) with delta.  The index, all int32:
       entry_order (entries,): the entries' flat indices in block_indices, sorted stably by bucket key;
       bucket_starts (buckets + 1,): where each bucket's entries start, past the entries of key 0;
       chunk_starts (buckets + 1,): where each bucket's chunks start in the chunk table, bucket i
@@ -311,15 +490,26 @@ class BackwardPlan:
     buckets: int
     chunk_entries: int
     max_chunks: int
+    prepare: Tuple[Launch, ...] = ()   # key-major: delta and selection keys; empty: dq runs first
+
+    @property
+    def before_index(self) -> Tuple[Launch, ...]:
+        return self.prepare or (self.dq,)
+
+    @property
+    def with_index(self) -> Tuple[Launch, ...]:
+        return (self.dq, self.dkdv) if self.prepare else (self.dkdv,)
 
 
-def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
-                  scan: Optional[bool] = None) -> BackwardPlan:
-    """dq outputs dq (like query), delta (fp32, like lse) and selection_keys (int32, like
-    block_indices); dkdv takes delta and the inverted index and outputs dk_chunks, dv_chunks (fp32
-    (max_chunks, block_size, D / Dv), the scratch) and, from its reduction, dk, dv (like key, value).
-    Varlen rows past the last sequence are written by no program: dq, dk, dv are zeroed and
-    selection_keys are 0 (no bucket) there."""
+def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int, scan: Optional[bool] = None,
+                  by_key: Optional[bool] = None) -> BackwardPlan:
+    """Query-major, dq outputs dq (like query), delta (fp32, like lse) and selection_keys (int32, like
+    block_indices); key-major (`by_key`, None: key_major decides, as for the forward) the prepare
+    launches output delta and selection_keys, and dq, with the index, its partials part_dq (like query,
+    (entries, GROUP, D)) and from their sum dq.  dkdv takes delta and the inverted index and outputs
+    dk_chunks, dv_chunks (fp32 (max_chunks, block_size, D / Dv), the scratch) and, from its reduction,
+    dk, dv (like key, value).  Varlen rows past the last sequence are written by no program: dq, dk, dv
+    are zeroed and selection_keys are 0 (no bucket) there."""
     check_index_range(shapes)
     t, scalars, constexprs, grid = _scalars_and_constexprs(shapes, softmax_scale, block_count, scan)
     _, (batch, rows) = _strides(shapes)
@@ -336,6 +526,9 @@ def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
     subs = shapes.block_size // kv.block_n
     scalar = dict(scalars, kv_groups=kv_groups(shapes), chunk_entries=chunk)
     const = dict(constexprs, TOKENS=kv.tokens, BLOCK_N=kv.block_n)
+    prepare = ()
+    if key_major(shapes) and not scan if by_key is None else by_key:
+        prepare, dq = _key_major_dq(shapes, dict(scalar, max_chunks=chunks), dict(constexprs))
     reduce = Launch(
         module="nsa.selected", kernel="nsa_bwd_dkv_reduce_kernel", grid=(num_buckets(shapes) * subs, 1, 1),
         inputs=DKV_REDUCE_INPUTS, scalars=tuple((n, scalar[n]) for n in DKV_REDUCE_SCALARS),
@@ -350,7 +543,7 @@ def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int,
                  Output("dv_chunks", (chunks, shapes.block_size, shapes.head_dim_v), "float32")),
         constexprs=tuple((n, const[n]) for n in DKV_CONSTEXPRS),
         num_warps=kv.num_warps, num_stages=kv.num_stages, max_registers=kv.max_registers, then=reduce)
-    return BackwardPlan(dq, dkdv, num_buckets(shapes), chunk, chunks)
+    return BackwardPlan(dq, dkdv, num_buckets(shapes), chunk, chunks, prepare)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,3 +672,25 @@ def plan_gates_backward(rows: int, head_dim: int, branches: int) -> Launch:
         module="nsa.gates", kernel="nsa_gate_bwd_kernel", grid=(cdiv(rows, GATE_ROWS), 1, 1),
         inputs=("dout",) + tuple(f"o{i}" for i in range(GATE_SLOTS)) + tuple(f"g{i}" for i in range(GATE_SLOTS)),
         scalars=scalars, outputs=outputs, constexprs=constexprs, num_warps=4, num_stages=1)
+
+
+def run_forward(plan, arrays: dict, run, index) -> dict:
+    """The selected branch's forward with a front end's launcher `run(launch, arrays) -> results` and
+    inverted index `index(selection_keys, plan) -> arrays`: the query-major launch, or key-major its
+    selection keys, their index, then the partials and their merge."""
+    if isinstance(plan, KeyMajorForward):
+        keys = run(plan.keys, arrays)["selection_keys"]
+        return run(plan.partial, dict(arrays, **index(keys, plan)))
+    return run(plan, arrays)
+
+
+def run_backward(plan: BackwardPlan, arrays: dict, run, index) -> dict:
+    """The selected branch's backward, as run_forward: plan.before_index, the inverted index of their
+    selection keys, then plan.with_index (each launch sees the earlier ones' results)."""
+    grads = {}
+    for launch in plan.before_index:
+        grads.update(run(launch, dict(arrays, **grads)))
+    found = index(grads["selection_keys"], plan)
+    for launch in plan.with_index:
+        grads.update(run(launch, dict(arrays, **found, **grads)))
+    return grads

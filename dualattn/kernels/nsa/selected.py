@@ -148,6 +148,22 @@ def selection_step(step, IDX_HEAD, COUNT_HEAD, selected, t0, seq_len, stride_is,
     return block, visit, row_selected
 
 
+@triton.jit
+def softmax_step(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax (log2 units): scores where `ok`, the running row maximum m_i,
+    sum l_i and unnormalised output acc updated.  A row with nothing visible yet keeps m = -inf."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, keys]
+    s = tl.where(ok, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, reduce_max(s, 1))
+    # Shift by 0 where the maximum is still -inf, to avoid inf - inf.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=NSA_INTS)
 def nsa_fwd_kernel(
     Q, K, V, BLOCK_INDICES, BLOCK_COUNTS, CU_SEQLENS,
@@ -194,19 +210,10 @@ def nsa_fwd_kernel(
                     offs_n = block * BLOCK_SIZE + sub + tl.arange(0, BLOCK_N)
                     k = load_tile(K_HEAD + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_len, offs_d,
                                   HEAD_DIM, True, BLOCK_D != HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-                    ok = row_selected[:, None] & (offs_n[None, :] <= t_rows[:, None])
-                    s = tl.where(ok, qk * qk_scale, float("-inf"))
-                    m_new = tl.maximum(m_i, reduce_max(s, 1))
-                    # A row with nothing visible yet keeps m = -inf; shift by 0 to avoid inf - inf.
-                    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp2(s - m_shift[:, None])
-                    alpha = tl.exp2(m_i - m_shift)
-                    l_i = l_i * alpha + reduce_sum(p, 1)
                     v = load_tile(V_HEAD + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, seq_len, offs_dv,
                                   HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)  # [BLOCK_N, BLOCK_DV]
-                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-                    m_i = m_new
+                    ok = row_selected[:, None] & (offs_n[None, :] <= t_rows[:, None])
+                    m_i, l_i, acc = softmax_step(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION)
         # A row that selected nothing (or a padding row) gives 0 and lse -inf, never NaN.
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -228,6 +235,12 @@ def bucket(pid_bh, block, kv_groups):
     """The inverted index's list of key block `block` of KV group pid_bh, block-major (plan.num_buckets):
     the chunk table, in bucket order, lists the blocks most tokens select first."""
     return block * kv_groups + pid_bh
+
+
+@triton.jit
+def selection_keys(selected, kv_group_id, kv_groups):
+    """Bucket keys of a selection tile (selection_tile): bucket + 1, or 0 where an entry does not count."""
+    return tl.where(selected >= 0, bucket(kv_group_id, selected, kv_groups) + 1, 0)
 
 
 @triton.jit
@@ -329,7 +342,7 @@ def nsa_bwd_dq_kernel(
                                   NUM_SLOTS, BLOCK_SLOTS, BLOCK_SIZE, PER_TOKEN_COUNTS)
         # One row per token (its group's first head) writes the token's bucket keys.
         offs_s = tl.arange(0, BLOCK_SLOTS)
-        keys = tl.where(selected >= 0, bucket(tl.program_id(1), selected, tl.num_programs(1)) + 1, 0)
+        keys = selection_keys(selected, tl.program_id(1), tl.num_programs(1))
         key_rows = row_ok & (h_rows % GROUP == 0)
         KEYS_HEAD = head_base(SELECTION_KEYS, b, start, h_kv, stride_ib, stride_is, stride_ih)
         tl.store(KEYS_HEAD + t_rows[:, None] * stride_is + offs_s[None, :], keys,
@@ -364,9 +377,29 @@ DKV_REDUCE_INTS = ["stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_v
 def listed_tokens(ENTRY_ORDER, e, listed, entries_per_row, rows_in_memory, start):
     """Tokens (positions in their sequence) of inverted-index entries e: an entry is the flat index
     of a selection entry (batch, row, KV head, slot) in block_indices."""
-    entry = tl.load(ENTRY_ORDER + e, mask=listed, other=0)
+    return entry_token(tl.load(ENTRY_ORDER + e, mask=listed, other=0), entries_per_row, rows_in_memory, start)
+
+
+@triton.jit
+def entry_token(entry, entries_per_row, rows_in_memory, start):
+    """The token (position in its sequence) of selection entry number `entry` (block_indices' flat index)."""
     # (int32: row numbers are below the int32 entry numbers, plan.check_index_range.)
     return (entry // entries_per_row) % rows_in_memory - start.to(tl.int32)
+
+
+@triton.jit
+def gradient_rows(Q, DOUT, LSE, DELTA, b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, stride_ob,
+                  stride_os, stride_oh, stride_lb, stride_ls, stride_lh, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """What a key-major backward step gathers for its rows (token t_rows, head h_rows): q [rows, BLOCK_D],
+    dO [rows, BLOCK_DV] (O's strides), the lse in log2 units and delta (the lse's strides)."""
+    q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM, BLOCK_D)
+    q = tl.load(Q + q_offs, mask=q_mask, other=0.0)
+    do_offs, do_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_ob, stride_os, stride_oh, HEAD_DIM_V,
+                                  BLOCK_DV)
+    do = tl.load(DOUT + do_offs, mask=do_mask, other=0.0)
+    l_offs = lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh)
+    return q, do, log2_lse(LSE, l_offs, row_ok), tl.load(DELTA + l_offs, mask=row_ok, other=0.0)
 
 
 @triton.jit(do_not_specialize=DKV_INTS)
@@ -430,15 +463,9 @@ def nsa_bwd_dkv_kernel(
             # A token that names the block in two slots is listed twice, side by side: count it once.
             t_prev = listed_tokens(ENTRY_ORDER, e - 1, listed & (e > lo), entries_per_row, rows_in_memory, start)
             row_ok = listed & (g_rows < GROUP) & ((e == lo) | (t_prev != t_rows))
-            q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM,
-                                        BLOCK_D)
-            q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [TOKENS * GROUP_PAD, BLOCK_D]
-            do_offs, do_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_ob, stride_os, stride_oh,
-                                          HEAD_DIM_V, BLOCK_DV)
-            do = tl.load(DOUT + do_offs, mask=do_mask, other=0.0)  # [TOKENS * GROUP_PAD, BLOCK_DV]
-            l_offs = lse_offsets(b, start, t_rows, h_rows, stride_lb, stride_ls, stride_lh)
-            lse2 = log2_lse(LSE, l_offs, row_ok)
-            delta = tl.load(DELTA + l_offs, mask=row_ok, other=0.0)
+            q, do, lse2, delta = gradient_rows(Q, DOUT, LSE, DELTA, b, start, t_rows, h_rows, row_ok, stride_qb,
+                                               stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb,
+                                               stride_ls, stride_lh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
             ok = row_ok[None, :] & (offs_n[:, None] <= t_rows[None, :])  # [BLOCK_N, TOKENS * GROUP_PAD]
             p_t, ds_t = probs_and_score_grads(q, k, v, do, lse2, delta, ok, qk_scale, True, DOT_PRECISION)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
