@@ -1,9 +1,10 @@
 """Launch plan of the NSA selected-branch kernels (selected.py), shared by the torch and JAX front ends.
 
-Loop order by group size.  The forward of groups under 16 heads runs key-major (key_major.py: key
-block outer, the tokens that selected it gathered inner, partial outputs merged per token; key_major
-says when).  Otherwise, and in the dQ pass, a program's rows are all GROUP query heads of a KV group
-for TOKENS consecutive tokens, and it walks the union of those tokens' selected key blocks, each once:
+Loop order by group size.  For groups under 16 heads the forward and the dQ pass run key-major
+(key_major.py: key block outer, the tokens that selected it gathered inner, partial results summed
+per token; key_major says when: not on short sequences).  Otherwise a program's rows are all GROUP
+query heads of a KV group for TOKENS consecutive tokens, and it walks the union of those tokens'
+selected key blocks, each once:
 
 * GROUP >= 16 (the tensor-core minimum of 16 rows): TOKENS = 1.  One token per program, its S
   blocks in order: the NSA paper's loop (query outer, selected blocks inner), no idle rows.
@@ -317,13 +318,14 @@ DELTA_CONSTEXPRS = ("HEAD_DIM_V", "BLOCK_DV", "GROUP", "GROUP_PAD", "TOKENS", "I
 
 
 def key_major_tiles(shapes: NsaShapes) -> NsaTiles:
-    """The key-major forward's partial programs on 4 warps: KEY_MAJOR_ROWS rows (tokens * GROUP_PAD) and
+    """The key-major partial programs (forward and dQ) on 4 warps: KEY_MAJOR_ROWS rows (tokens * GROUP_PAD) and
     64-key tiles, halved at D > 128 and again in fp32 (fp32 D = 256 at 32 rows and keys spilled 45 KB),
     so that q, K, V and the fp32 output tile fit the registers.  A block of at most one tile stays in
     registers for the walk; larger blocks are walked in tiles, reloaded per step.  Against 128 rows on 8
     warps, 32 rows, or 8 warps (T = 64k, kernel ms at groups 1 / 4 / 8): 64 rows on 4 warps took 0.95 /
     3.43 / 6.58 with 2 stages, 0.88 / 3.23 / 6.31 with 3, the others 1.18-1.38 / 4.5-5.4 / 8.2-9.7
-    (results/2026-11-28_h200_nsa_key_major_sweep.json)."""
+    (results/2026-11-28_h200_nsa_key_major_sweep.json; the forward's partials, which the dQ partials
+    follow untimed)."""
     group_pad = next_pow2(shapes.group_size)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
     fp32 = shapes.dtype == "float32"
