@@ -8,13 +8,9 @@ For each (T, group) of PROBLEMS (bf16, D = 128, Hkv = 4, block 64, 16 blocks, wi
 * kernels/nsa/plan.topk_tiles replaced per TOPK_VARIANTS entry (rows per program, warps): the
   top-k kernel alone on the plan's scores, indices compared with the plan's.
 --profile: only the kernel breakdowns, of one whole NSA forward and of one forward + backward.
---folds: dualattn.nsa's COMPRESSED_PROGRAMS and FOLD_MIN_QUERIES replaced per FOLD_VARIANTS entry
-(how many batch rows the compressed branch cuts its queries into): the compressed branch alone and the
-whole NSA, fwd + bwd, with the gradients compared with the plan's.
 
     python benchmarks/tune_nsa_select.py OUT.json
     python benchmarks/tune_nsa_select.py --profile
-    python benchmarks/tune_nsa_select.py --folds OUT.json
     python benchmarks/tune_nsa_select.py --registers     (no GPU needed: ptxas's registers and spills of
                                                           the plan's importance, top-k and gate kernels)
 """
@@ -31,8 +27,6 @@ IMPORTANCE_VARIANTS = [None, (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64
 # (rows per program, num_warps); None: the plan's own
 TOPK_VARIANTS = [None, (1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 4), (8, 4), (8, 8), (16, 8)]
 PROBLEMS = ((65536, 16), (65536, 4), (8192, 16))   # (T, group)
-# (COMPRESSED_PROGRAMS, FOLD_MIN_QUERIES); None: dualattn.nsa's own
-FOLD_VARIANTS = [None, (512, 1024), (512, 512), (512, 256), (1024, 512), (1024, 256), (2048, 128)]
 
 
 def importance_of(variant, plan_tiles):
@@ -133,47 +127,6 @@ def sweep(seqlen, group, profile_only=False, heads_kv=4, head_dim=128, block_siz
     return rows
 
 
-def folds(seqlen, group, heads_kv=4, head_dim=128, block_size=64, count=16):
-    import torch
-    import dualattn.nsa as checks
-    import dualattn.torch_api as dt
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    heads_q = heads_kv * group
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-    q, k, v = rand(1, seqlen, heads_q, head_dim), rand(1, seqlen, heads_kv, head_dim), rand(1, seqlen, heads_kv,
-                                                                                             head_dim)
-    gates = [torch.rand(1, seqlen, heads_q, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
-    dout = torch.randn(1, seqlen, heads_q, head_dim, generator=gen).to("cuda", torch.bfloat16)
-
-    def compressed():
-        return torch.autograd.grad(dt.native_sparse_attention(q, k, v, gates[0], block_size=block_size), (q, k, v),
-                                   dout)
-
-    def whole():
-        return torch.autograd.grad(dt.native_sparse_attention(q, k, v, *gates, block_counts=count,
-                                                              block_size=block_size, window_size=512), (q, k, v), dout)
-    plan = checks.COMPRESSED_PROGRAMS, checks.FOLD_MIN_QUERIES
-    rows, ref = [], None
-    for variant in FOLD_VARIANTS:
-        checks.COMPRESSED_PROGRAMS, checks.FOLD_MIN_QUERIES = plan if variant is None else variant
-        n = seqlen // block_size
-        grads = compressed()
-        torch.cuda.synchronize()
-        diff = 0.0 if ref is None else max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref))
-        ref = grads if ref is None else ref
-        pieces = checks.compressed_folds(1, seqlen, heads_kv, n)
-        rows.append(dict(seqlen=seqlen, group=group, variant=variant, folds=pieces,
-                         compressed_fwdbwd_ms=triton.testing.do_bench(compressed, warmup=5, rep=50,
-                                                                      return_mode="median"),
-                         whole_fwdbwd_ms=triton.testing.do_bench(whole, warmup=5, rep=50, return_mode="median"),
-                         max_grad_diff_vs_plan=diff))
-        print(rows[-1], flush=True)
-    checks.COMPRESSED_PROGRAMS, checks.FOLD_MIN_QUERIES = plan
-    return rows
-
-
 # (dtype, D, group) of the importance kernels --registers compiles
 REGISTER_SHAPES = [("bfloat16", 128, 16), ("bfloat16", 128, 4), ("bfloat16", 128, 2), ("bfloat16", 128, 1),
                    ("float32", 128, 16), ("float32", 128, 1), ("float32", 256, 8), ("bfloat16", 256, 16),
@@ -202,22 +155,11 @@ def registers():
         print(f"gates{' backward' if backward else ''}, 3 branches, D 128  " + usage(launch, dtypes), flush=True)
 
 
-def main(out_path, mode=None):
+def main(out_path):
     if out_path == "--registers":
         return registers()
     import torch
     rows = []
-    if mode == "--folds":
-        for seqlen, group in ((8192, 16), (8192, 4), (65536, 16), (65536, 4)):
-            rows += folds(seqlen, group)
-            torch.cuda.empty_cache()
-        with open(out_path, "w") as f:
-            json.dump(dict(command="python benchmarks/tune_nsa_select.py --folds " + out_path,
-                           device=torch.cuda.get_device_name(),
-                           versions=dict(torch=torch.__version__, triton=triton.__version__),
-                           variant_fields="(COMPRESSED_PROGRAMS, FOLD_MIN_QUERIES)", none="dualattn.nsa's own",
-                           rows=rows), f, indent=1)
-        return
     for seqlen, group in PROBLEMS:
         rows += sweep(seqlen, group, profile_only=out_path == "--profile")
         torch.cuda.empty_cache()
@@ -232,4 +174,4 @@ def main(out_path, mode=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[-1], sys.argv[1] if len(sys.argv) > 2 else None)
+    main(sys.argv[-1])

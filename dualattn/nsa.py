@@ -5,12 +5,10 @@ TypeError, naming the argument and the expected shape, before any kernel runs.
 """
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import NamedTuple, Optional, Sequence
 
 from .kernels.nsa.plan import NsaShapes
-from .sparse import SparseMask
 from .validation import FLOAT_DTYPES, INT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, dtype_name
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -179,56 +177,32 @@ def default_scale(head_dim: int, softmax_scale) -> float:
     return float(softmax_scale)
 
 
-# The compressed branch's queries are cut into pieces that become batch rows of their own
-# (compressed_folds): enough flash dK / dV programs for the GPU, pieces of at least this many queries.
-COMPRESSED_PROGRAMS = 512
-FOLD_MIN_QUERIES = 512
+class CompressedLaunches(NamedTuple):
+    """The compressed branch of one sequence of T tokens as flash attention launches (compressed_launches)."""
+
+    blocks: int   # n = T // block_size pooled blocks
+    body: int     # n * block_size: the tokens of the whole blocks, run phase-folded
+    tail: int     # T - body tokens after the last whole block: they see every pooled block
 
 
-def compressed_folds(batch: int, seqlen: int, heads_kv: int, num_cmp: int) -> int:
-    """How many pieces the compressed branch cuts its queries into.  Its keys are only T / block_size
-    pooled blocks and the flash backward runs one dK / dV program per (key tile, batch row, KV
-    head): at T = 64k, Hkv = 4 that is 64 programs walking all 64k queries each, on a GPU of 132
-    SMs.  Each piece becomes a batch row of its own (the pooled keys are copied per piece, and the
-    copies' gradients add up), which multiplies the programs; pieces of at least FOLD_MIN_QUERIES
-    queries keep those copies small.  At T = 8k, group 16 (H200, bf16, D = 128, Hkv = 4, block 64) the
-    branch's fwd + bwd took 5.6 ms in pieces of 4096 (2 pieces: 16 dK / dV programs), 3.6 in pieces
-    of 512; at group 4 it went from 3.2 to 3.6 ms; at 64k (8 pieces either way) 27 ms, and 25.4 in 32
-    pieces (benchmarks/tune_nsa_select.py --folds, results/2026-11-27_h200_nsa_folds.json)."""
-    key_tiles = -(-num_cmp // 64)
-    want = -(-COMPRESSED_PROGRAMS // (key_tiles * batch * heads_kv))
-    return max(1, min(want, seqlen // FOLD_MIN_QUERIES))
+def compressed_launches(seqlen: int, block_size: int) -> CompressedLaunches:
+    """How the compressed branch runs on the dense flash kernels (both front ends).
 
-
-def compressed_blocks(folds: int, piece: int, block_size: int):
-    """Block-map builder of the compressed branch: (query tile, pooled-key tile) pairs where some
-    query sees some pooled block, query t seeing block c iff (c + 1) * block_size - 1 <= t (the key
-    position of a pooled block is its last token); batch row r holds queries
-    (r % folds) * piece + [0, piece).  Skips the half of the T x T / block_size rectangle that the
-    causal rule masks."""
-    def build(batch, heads, seqlen_q, seqlen_k, block_q, block_k):
-        import numpy as np
-        start = (np.arange(batch) % folds) * piece
-        last_query = start[:, None] + np.minimum((np.arange(-(-seqlen_q // block_q)) + 1) * block_q, piece) - 1
-        first_key = (np.arange(-(-seqlen_k // block_k)) * block_k + 1) * block_size - 1
-        return (first_key[None, None, :] <= last_query[:, :, None])[:, None]
-    return build
-
-
-# The compressed branch's block-sparse tiles (blocksparse_attention's default block_q, block_k).
-COMPRESSED_BLOCK = 64
-
-
-@functools.lru_cache(maxsize=64)
-def compressed_layout(batch: int, folds: int, piece: int, num_cmp: int, block_size: int) -> SparseMask:
-    """The compressed branch's SparseMask (compressed_blocks' map over batch * folds rows of `piece`
-    queries and num_cmp pooled keys), built once per shape.  Passing the builder instead rebuilt the
-    map in numpy and uploaded its lists on every call: host time, and a copy from pageable host
-    memory, which waits for the stream's earlier work, in every call.  The layout keeps its device
-    copies (SparseMask.device_cache)."""
-    block_map = compressed_blocks(folds, piece, block_size)(batch * folds, 1, piece, num_cmp, COMPRESSED_BLOCK,
-                                                            COMPRESSED_BLOCK)
-    return SparseMask.from_block_map(block_map, COMPRESSED_BLOCK, COMPRESSED_BLOCK)
+    Token t = i * bs + r (block i, phase r) sees pooled block c iff (c + 1) * bs - 1 <= t, that is
+    c <= i - 1 for r < bs - 1 and c <= i for the block's last token.  Causal in the block index,
+    not in t, so the body's queries are folded: query (B, n * bs, Hq, D) is read as (B, n, bs * Hq, D)
+    (a reshape of contiguous rows; head r * Hq + h is token i * bs + r of head h) against the pooled
+    keys tiled bs times over the heads (bs * Hkv heads, kept in the same GQA order) and cut to the
+    first n - 1 blocks.  Bottom-right causal with n queries and n - 1 keys is then exactly c <= i - 1:
+    one dense launch of n * bs queries that the fast kernels take, row 0 fully masked (zeros).  The
+    blocks' last tokens (c <= i) run as a second launch, the strided rows bs - 1, 2 * bs - 1, ..
+    against all n blocks, and replace their rows of the first; the tail tokens a third,
+    non-causal.  The folded launch's backward runs one dK / dV program per (key tile, folded KV
+    head), bs * Hkv heads instead of Hkv, and the tiled keys' gradients are summed back.  It
+    replaced the block-sparse kernel with key positions, which took 4.7 ms of the 64k, group 16
+    forward (benchmarks/results/2026-11-28_h200_ncu_nsa_g16.log)."""
+    n = seqlen // block_size
+    return CompressedLaunches(n, n * block_size, seqlen - n * block_size)
 
 
 def sequences(cu_seqlens_values: Optional[Sequence[int]], total: int) -> list:

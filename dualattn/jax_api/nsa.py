@@ -1,7 +1,7 @@
 """Native sparse attention (NSA) for JAX: backend "triton" (the shared kernels of kernels/nsa under a
 custom_vjp; jax-triton on GPU, Triton's interpreter on CPU), "xla" (pure JAX) or "auto".
 
-The compressed branch runs on blocksparse_attention with key positions, the sliding branch on
+The compressed branch (phase-folded, nsa.compressed_launches) and the sliding branch run on
 flash_attention, both with the same backend; the branches and their gates are summed by JAX.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ import numpy as np
 from .. import nsa as checks
 from ..kernels.nsa import plan as nsa_plan
 from . import _launch
-from .blocksparse import blocksparse_attention
 from .flash import _resolve_backend, check_arrays, flash_attention, flash_attention_varlen
 
 SELECT_CHUNK = 1024
@@ -112,23 +111,30 @@ def _pool(x, block_size: int):
 
 
 def _compressed(query, key, value, block_size: int, scale: float, backend: str):
-    """Compressed branch of one sequence: (out, lse (B, Hq, T) or None, pooled keys or None)."""
-    b, t = query.shape[:2]
-    n = t // block_size
+    """Compressed branch of one sequence: (out, lse (B, Hq, T) or None, pooled keys or None), as the torch
+    front end's: dense flash launches (nsa.compressed_launches says how)."""
+    b, t, hq, _ = query.shape
+    n, body, tail = checks.compressed_launches(t, block_size)
     if n == 0:   # no complete block: no token sees any
         return jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
-    folds = checks.compressed_folds(b, t, key.shape[2], n)   # as the torch front end's
-    piece = -(-t // folds)
-    q = jnp.pad(query, ((0, 0), (0, folds * piece - t), (0, 0), (0, 0))).reshape(b * folds, piece, *query.shape[2:])
-    fold = lambda x: jnp.broadcast_to(x[:, None], (b, folds, *x.shape[1:])).reshape(b * folds, *x.shape[1:])  # noqa: E731
-    q_pos = jnp.tile(jnp.arange(folds * piece, dtype=jnp.int32).reshape(folds, piece), (b, 1))
-    kv_pos = jnp.broadcast_to((jnp.arange(n, dtype=jnp.int32) + 1) * block_size - 1, (b * folds, n))
-    out, lse = blocksparse_attention(q, fold(k_cmp), fold(v_cmp), causal=True, q_positions=q_pos, kv_positions=kv_pos,
-                                     layout=checks.compressed_layout(b, folds, piece, n, block_size),
-                                     softmax_scale=scale, return_lse=True, backend=backend)
-    out = out.reshape(b, folds * piece, *out.shape[2:])[:, :t]
-    lse = jnp.swapaxes(lse.reshape(b, folds, -1, piece), 1, 2).reshape(b, -1, folds * piece)[:, :, :t]
+    attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, backend=backend)
+    if n > 1:
+        def tiled(x):   # (B, n - 1, bs * H, D): the first n - 1 pooled blocks, once per phase
+            return jnp.broadcast_to(x[:, :n - 1, None], (b, n - 1, block_size, *x.shape[2:])).reshape(
+                b, n - 1, -1, x.shape[-1])
+        out, lse = attend(query[:, :body].reshape(b, n, block_size * hq, -1), tiled(k_cmp), tiled(v_cmp), causal=True)
+        out = out.reshape(b, body, hq, -1)
+        lse = jnp.transpose(lse.reshape(b, block_size, hq, n), (0, 2, 3, 1)).reshape(b, hq, body)
+    else:   # one block: only its last token sees it
+        out = jnp.zeros((b, body, hq, value.shape[-1]), query.dtype)
+        lse = jnp.full((b, hq, body), -jnp.inf, jnp.float32)
+    o_last, lse_last = attend(query[:, block_size - 1:body:block_size], k_cmp, v_cmp, causal=True)
+    out = out.at[:, block_size - 1::block_size].set(o_last)
+    lse = lse.at[:, :, block_size - 1::block_size].set(lse_last)
+    if tail:
+        o_tail, lse_tail = attend(query[:, body:], k_cmp, v_cmp)
+        out, lse = jnp.concatenate([out, o_tail], 1), jnp.concatenate([lse, lse_tail], 2)
     return out, lse, k_cmp
 
 

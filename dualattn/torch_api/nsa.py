@@ -1,6 +1,6 @@
 """Native sparse attention (NSA) for torch: the selected branch on the shared Triton kernels
-(kernels/nsa), the compressed branch on the block-sparse flash kernels, the sliding branch on
-flash_attention.
+(kernels/nsa), the compressed and sliding branches on flash_attention (the compressed one
+phase-folded, nsa.compressed_launches).
 
     token t, KV group h:   compressed  pooled blocks c with (c+1)*bs - 1 <= t
                            selected    keys j <= t in the blocks block_indices[t, h, :count]
@@ -9,6 +9,7 @@ flash_attention.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -16,7 +17,6 @@ import torch
 from .. import nsa as checks
 from ..kernels.nsa import plan as nsa_plan
 from . import _launch
-from .blocksparse import blocksparse_attention
 from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func
 
 Tensor = torch.Tensor
@@ -162,29 +162,32 @@ def _pool(x: Tensor, block_size: int) -> Tensor:
 
 
 def _compressed(query, key, value, block_size: int, scale: float):
-    """Compressed branch of one sequence: (out (B, T, Hq, Dv), lse (B, Hq, T) or None, pooled keys)."""
-    b, t = query.shape[:2]
-    n = t // block_size
+    """Compressed branch of one sequence: (out (B, T, Hq, Dv), lse (B, Hq, T) or None, pooled keys), as
+    dense flash launches (nsa.compressed_launches says how)."""
+    b, t, hq, _ = query.shape
+    n, body, tail = checks.compressed_launches(t, block_size)
     if n == 0:   # no complete block: no token sees any.  Zeros that autograd links to q, k and v, so
         # their gradients are zeros (as in JAX), not missing; `where` passes no inf or NaN of theirs.
         none = torch.zeros((), dtype=torch.bool, device=query.device)
         linked = sum(torch.where(none, x, 0).sum() for x in (query, key, value))
         return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
-    folds = checks.compressed_folds(b, t, key.shape[2], n)
-    piece = -(-t // folds)
-    # (b, t) queries -> (b * folds, piece) rows, the last padded (its extra rows' outputs are dropped)
-    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, folds * piece - t)) if folds * piece > t else query
-    q = q.reshape(b * folds, piece, *query.shape[2:])
-    fold = lambda x: x[:, None].expand(b, folds, *x.shape[1:]).reshape(b * folds, *x.shape[1:])  # noqa: E731
-    q_pos = torch.arange(folds * piece, device=query.device).view(folds, piece).repeat(b, 1)
-    kv_pos = ((torch.arange(n, device=query.device) + 1) * block_size - 1).expand(b * folds, n)
-    out, lse = blocksparse_attention(q, fold(k_cmp), fold(v_cmp), causal=True, q_positions=q_pos, kv_positions=kv_pos,
-                                     layout=checks.compressed_layout(b, folds, piece, n, block_size),
-                                     softmax_scale=scale, return_lse=True)
-    out = out.reshape(b, folds * piece, *out.shape[2:])[:, :t]
-    lse = lse.reshape(b, folds, -1, piece).transpose(1, 2).reshape(b, -1, folds * piece)[:, :, :t]
-    return out, lse, k_cmp
+    attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True)
+    if n > 1:
+        def tiled(x):   # (B, n - 1, bs * H, D): the first n - 1 pooled blocks, once per phase
+            return x[:, :n - 1, None].expand(b, n - 1, block_size, *x.shape[2:]).reshape(b, n - 1, -1, x.shape[-1])
+        out, lse = attend(query[:, :body].reshape(b, n, block_size * hq, -1), tiled(k_cmp), tiled(v_cmp), causal=True)
+        out = out.reshape(b, body, hq, -1)
+        lse = lse.view(b, block_size, hq, n).permute(0, 2, 3, 1).reshape(b, hq, body)
+    else:   # one block: only its last token sees it
+        out = query.new_zeros(b, body, hq, value.shape[-1])
+        lse = torch.full((b, hq, body), float("-inf"), device=query.device)
+    if tail:
+        o_tail, lse_tail = attend(query[:, body:], k_cmp, v_cmp)
+        out, lse = torch.cat([out, o_tail], 1), torch.cat([lse, lse_tail], 2)
+    last = torch.arange(block_size - 1, body, block_size, device=query.device)
+    o_last, lse_last = attend(query[:, block_size - 1:body:block_size], k_cmp, v_cmp, causal=True)
+    return out.index_copy(1, last, o_last), lse.index_copy(2, last, lse_last), k_cmp
 
 
 def top_k_lowest_ties(score: Tensor, k: int) -> Tensor:

@@ -143,14 +143,15 @@ def test_bad_input(rng):
                                         backend="cuda")
 
 
-def test_native_sparse_attention_folded_compressed_queries(rng, monkeypatch):
-    """The compressed branch's queries in batch rows of their own (pieces of 16, the last padded)."""
-    import dualattn.nsa as checks
-    monkeypatch.setattr(checks, "FOLD_MIN_QUERIES", 16)
-    seqlen, block_size = 70, 16
+@pytest.mark.parametrize("seqlen", [70, 20])
+def test_compressed_branch_launches(rng, seqlen):
+    """The compressed branch's launches (nsa.compressed_launches): several blocks and a tail, one block
+    and a tail."""
+    block_size = 16
     q, k, v, _, _ = _inputs(rng, seqlen, 2, 1, 16, 2, block_size)
     gates = [rng.random((1, seqlen, 2)).astype(np.float32) for _ in range(2)]
     opts = dict(block_counts=2, block_size=block_size)
-    assert checks.compressed_folds(1, seqlen, 1, seqlen // block_size) == 4
     _check(lambda *a: jax_api.native_sparse_attention(*a, backend="xla", **opts),
            lambda *a: reference_nsa(*a, **opts)[0], (q, k, v, *gates), rng)
+
+

@@ -248,22 +248,6 @@ def test_compressed_branch_shorter_than_a_block_gives_zero_gradients(torch_gen):
     assert not out.any() and all(g is not None and not g.any() for g in grads)
 
 
-def test_compressed_layout_is_built_once_per_shape(torch_gen, monkeypatch):
-    """The compressed branch's block layout is built (and its lists uploaded) once per shape, not on
-    every call: a per-call build cost host time and a host-to-device copy each call."""
-    import dualattn.nsa as checks
-    built = []
-    real = checks.compressed_blocks
-    monkeypatch.setattr(checks, "compressed_blocks", lambda *a: built.append(a) or real(*a))
-    checks.compressed_layout.cache_clear()
-    q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
-    gates = _gates(torch_gen, 1, 64, 2, "c")
-    first = native_sparse_attention(q, k, v, *gates, block_size=16)
-    again = native_sparse_attention(q, k, v, *gates, block_size=16)
-    assert torch.equal(first, again) and len(built) == 1
-    assert ("torch", "cpu") in checks.compressed_layout(1, 1, 64, 4, 16).device_cache
-
-
 def test_repeated_calls_add_no_launch_records(torch_gen):
     """NSA's plans are built anew on every call; equal launches share one launcher record (keyed on
     the launch's value), so a training loop does not add records, and first-launch work, per step."""
@@ -396,21 +380,24 @@ def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group, loop):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [4, 16])
-def test_native_sparse_attention_gpu(torch_gen, group):
-    seqlen = 1024
-    q, k, v = [x.detach().cuda().requires_grad_() for x in qkv(torch_gen, 1, seqlen, group, 1, 128)]
-    gates = [g.detach().cuda().requires_grad_() for g in _gates(torch_gen, 1, seqlen, group)]
+@pytest.mark.parametrize("dtype, seqlen", [(torch.float32, 1024), (torch.bfloat16, 1000)])
+def test_native_sparse_attention_gpu(torch_gen, group, dtype, seqlen):
+    """fp32 (TF32x3 dots) and bf16, where the compressed branch's folded launch runs on the fast flash
+    kernels; 1000 tokens leave a tail after the last whole block."""
+    q, k, v = [x.detach().cuda().requires_grad_() for x in qkv(torch_gen, 1, seqlen, group, 1, 128, dtype=dtype)]
+    gates = [g.detach().to("cuda", dtype).requires_grad_() for g in _gates(torch_gen, 1, seqlen, group)]
     out, used = native_sparse_attention(q, k, v, *gates, block_counts=8, block_size=64, window_size=128,
                                         return_block_indices=True)
     leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, *gates)]
     ref, _ = reference_nsa(*leaves[:3], *leaves[3:], block_indices=used.cpu(), block_counts=8, block_size=64,
                            window_size=128)
-    assert_close_rel(out, ref, 1e-4, "out")   # TF32x3 dots in the fp32 kernels
+    tol = 1e-4 if dtype == torch.float32 else HALF_TOL[dtype]
+    assert_close_rel(out, ref, tol, "out")
     dout = torch.randn_like(out)
     for name, g, r in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_swa"),
                           torch.autograd.grad(out, (q, k, v, *gates), dout),
                           torch.autograd.grad(ref, leaves, dout.double().cpu())):
-        assert_close_rel(g, r, 1e-4, name)
+        assert_close_rel(g, r, tol, name)
 
 
 @pytest.mark.gpu
@@ -465,11 +452,12 @@ def test_top_k_kernel(torch_gen, rows, blocks, count):
         assert idx == want + [-1] * (count - len(want))
 
 
-def test_native_sparse_attention_folded_compressed_queries(torch_gen, monkeypatch):
-    """The compressed branch's queries cut into batch rows of their own (compressed_folds; here pieces
-    of 32 queries, the last one padded): same output and gradients as the reference."""
-    import dualattn.nsa as checks
-    monkeypatch.setattr(checks, "FOLD_MIN_QUERIES", 32)
-    assert checks.compressed_folds(2, 150, 1, 150 // 16) == 4
-    q, k, v = qkv(torch_gen, 2, 150, 2, 1, 16)
-    check_nsa(q, k, v, _gates(torch_gen, 2, 150, 2, "cs"), FP32_TOL, block_counts=3, block_size=16)
+@pytest.mark.parametrize("batch, seqlen", [(2, 150), (1, 20), (1, 32)])
+def test_compressed_branch_launches(torch_gen, batch, seqlen):
+    """The compressed branch's three launches (nsa.compressed_launches): phase-folded whole blocks, the
+    blocks' last tokens, the tail; with a tail and several blocks, with one block and a tail, with
+    two blocks and no tail.  Output, gradients and the chosen blocks as the reference's."""
+    q, k, v = qkv(torch_gen, batch, seqlen, 2, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, batch, seqlen, 2, "cs"), FP32_TOL, block_counts=3, block_size=16)
+
+
