@@ -9,7 +9,8 @@ import numbers
 from typing import NamedTuple, Optional, Sequence
 
 from .kernels.nsa.plan import NsaShapes
-from .validation import FLOAT_DTYPES, INT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, dtype_name
+from .validation import (FLOAT_DTYPES, INT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, check_flag,
+                         dtype_name)
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
@@ -153,9 +154,10 @@ class NativeArgs(NamedTuple):
 
 
 def check_native(query, key, value, *, gates: dict, block_indices, block_counts, block_size, window_size,
-                 softmax_scale, cu_seqlens, cu_values, return_block_indices) -> NativeArgs:
+                 softmax_scale, cu_seqlens, cu_values, return_block_indices, deterministic) -> NativeArgs:
     """Checks of native_sparse_attention shared by the torch and JAX front ends (after their own type
     checks); cu_values: the cu_seqlens table's values where the host can read them, else None."""
+    check_flag("deterministic", deterministic)
     b, t, hq, hkv, d, _, _ = check_qkv(query, key, value, cu_seqlens)
     check_gates(gates, b, t, hq)
     block_size = check_block_size(block_size)

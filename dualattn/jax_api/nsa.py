@@ -110,7 +110,7 @@ def _pool(x, block_size: int):
         2).astype(x.dtype)
 
 
-def _compressed(query, key, value, block_size: int, scale: float, backend: str):
+def _compressed(query, key, value, block_size: int, scale: float, backend: str, deterministic: bool):
     """Compressed branch of one sequence: (out, lse (B, Hq, T) or None, pooled keys or None), as the torch
     front end's: dense flash launches (nsa.compressed_launches says how)."""
     b, t, hq, _ = query.shape
@@ -118,7 +118,8 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str):
     if n == 0:   # no complete block: no token sees any
         return jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
-    attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, backend=backend)
+    attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, backend=backend,
+                               deterministic=deterministic)
     if n > 1:
         def tiled(x):   # (B, n - 1, bs * H, D): the first n - 1 pooled blocks, once per phase
             return jnp.broadcast_to(x[:, :n - 1, None], (b, n - 1, block_size, *x.shape[2:])).reshape(
@@ -197,9 +198,10 @@ def _pad_slots(chosen, count: int):
 def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=None, block_indices=None,
                             block_counts=16, block_size: int = 64, window_size: int = 0,
                             softmax_scale: Optional[float] = None, cu_seqlens=None, return_block_indices: bool = False,
-                            backend: str = "auto"):
+                            backend: str = "auto", deterministic: bool = False):
     """Native sparse attention; same arguments and result as the torch front end
-    (dualattn.torch_api.native_sparse_attention), plus backend "triton", "xla" or "auto".
+    (dualattn.torch_api.native_sparse_attention, deterministic= included), plus backend "triton", "xla" or
+    "auto".
 
     With cu_seqlens, the compressed branch and the selection run per sequence, so they need the
     table's values (a concrete array, not a traced one); the selected and sliding branches take it traced.
@@ -211,7 +213,8 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     _, t, _, hkv, _, block_size, window_size, scale, need_selection, count = checks.check_native(
         query, key, value, gates=dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), block_indices=block_indices,
         block_counts=block_counts, block_size=block_size, window_size=window_size, softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices)
+        cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices,
+        deterministic=deterministic)
     backend = _backend(backend)
     if cu_seqlens is not None and cu_values is None and (g_cmp is not None or block_indices is None):
         raise ValueError("cu_seqlens must be a concrete array (not traced) for the compressed branch and the "
@@ -221,7 +224,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
         outs, chosen = [], []
         for lo, hi in checks.sequences(cu_values, t):
             o_cmp, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale,
-                                            backend)
+                                            backend, deterministic)
             outs.append(o_cmp)
             if block_indices is None and need_selection:
                 chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale, backend))
@@ -237,12 +240,12 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
-                                    softmax_scale=scale, backend=backend)
+                                    softmax_scale=scale, backend=backend, deterministic=deterministic)
         else:
             longest = t if cu_values is None else max(hi - lo for lo, hi in checks.sequences(cu_values, t))
             o_swa = flash_attention_varlen(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
                                            causal=True, sliding_window=(window_size, 0), softmax_scale=scale,
-                                           backend=backend)[None]
+                                           backend=backend, deterministic=deterministic)[None]
         term = g_swa.astype(query.dtype)[..., None] * o_swa
         out = term if out is None else out + term
     return (out, block_indices) if return_block_indices else out

@@ -161,7 +161,7 @@ def _pool(x: Tensor, block_size: int) -> Tensor:
     return x[:, :n * block_size].unflatten(1, (n, block_size)).float().mean(2).to(x.dtype)
 
 
-def _compressed(query, key, value, block_size: int, scale: float):
+def _compressed(query, key, value, block_size: int, scale: float, deterministic: bool):
     """Compressed branch of one sequence: (out (B, T, Hq, Dv), lse (B, Hq, T) or None, pooled keys), as
     dense flash launches (nsa.compressed_launches says how)."""
     b, t, hq, _ = query.shape
@@ -172,7 +172,7 @@ def _compressed(query, key, value, block_size: int, scale: float):
         linked = sum(torch.where(none, x, 0).sum() for x in (query, key, value))
         return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype), None, None
     k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
-    attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True)
+    attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, deterministic=deterministic)
     if n > 1:
         def tiled(x):   # (B, n - 1, bs * H, D): the first n - 1 pooled blocks, once per phase
             return x[:, :n - 1, None].expand(b, n - 1, block_size, *x.shape[2:]).reshape(b, n - 1, -1, x.shape[-1])
@@ -237,7 +237,8 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
                             g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None,
                             block_indices: Optional[Tensor] = None, block_counts=16, block_size: int = 64,
                             window_size: int = 0, softmax_scale: Optional[float] = None,
-                            cu_seqlens: Optional[Tensor] = None, return_block_indices: bool = False):
+                            cu_seqlens: Optional[Tensor] = None, return_block_indices: bool = False,
+                            deterministic: bool = False):
     """Native sparse attention: gated sum of the compressed, selected and sliding-window branches.
 
     Args:
@@ -249,6 +250,10 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
         block_counts, block_size, softmax_scale, cu_seqlens: as apply_native_sparse_attention.
         window_size: the sliding branch's keys t - window_size <= j <= t (0: no sliding branch).
         return_block_indices: also return the (B, T, Hkv, S) indices the selected branch used.
+        deterministic: the compressed and sliding branches' flash backward without the one-pass
+            Hopper kernel's dQ atomics (flash_attention's flag; also under
+            torch.use_deterministic_algorithms(True)): bitwise reproducible gradients.  The selected
+            branch has no atomics.
     Compressed branch: attention over the mean of each block's keys / values; token t sees pooled
     block c iff (c + 1) * block_size - 1 <= t.  Gradients reach query, key, value and every gate
     (not through the top-k choice).
@@ -259,12 +264,14 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     _, t, _, hkv, _, block_size, window_size, scale, need_selection, count = checks.check_native(
         query, key, value, gates=dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa), block_indices=block_indices,
         block_counts=block_counts, block_size=block_size, window_size=window_size, softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices)
+        cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices,
+        deterministic=deterministic)
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
         for lo, hi in checks.sequences(cu_values, t):
-            o, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale)
+            o, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale,
+                                        deterministic)
             outs.append(o)
             if block_indices is None and need_selection:
                 chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
@@ -278,10 +285,11 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
-                                    softmax_scale=scale)
+                                    softmax_scale=scale, deterministic=deterministic)
         else:
             longest = max(hi - lo for lo, hi in checks.sequences(cu_values, t))
             o_swa = flash_attn_varlen_func(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
-                                           causal=True, sliding_window=(window_size, 0), softmax_scale=scale)[None]
+                                           causal=True, sliding_window=(window_size, 0), softmax_scale=scale,
+                                           deterministic=deterministic)[None]
     out = _GatedSum.apply(query.dtype, g_cmp, o_cmp, g_slc, o_slc, g_swa, o_swa)
     return (out, block_indices) if return_block_indices else out

@@ -141,6 +141,9 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="backend must be one of"):
         jax_api.native_sparse_attention(q, k, v, g_cmp=np.ones((1, 32, 2), np.float32), block_size=16,
                                         backend="cuda")
+    with pytest.raises(TypeError, match="deterministic"):
+        jax_api.native_sparse_attention(q, k, v, g_cmp=np.ones((1, 32, 2), np.float32), block_size=16,
+                                        deterministic=1)
 
 
 @pytest.mark.parametrize("seqlen", [70, 20])

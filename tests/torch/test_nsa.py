@@ -324,6 +324,8 @@ def test_bad_gates(torch_gen):
         native_sparse_attention(q, k, v, g_swa=torch.ones(1, 32, 2), block_size=16, window_size=-1)
     with pytest.raises(ValueError, match="g_swa is given but window_size is 0"):
         native_sparse_attention(q, k, v, g_swa=torch.ones(1, 32, 2), block_size=16)
+    with pytest.raises(TypeError, match="deterministic"):
+        native_sparse_attention(q, k, v, g_cmp=torch.ones(1, 32, 2), block_size=16, deterministic="yes")
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -376,6 +378,24 @@ def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group, loop):
     again = torch.autograd.grad(out_again, (q, k, v), dout)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_native_sparse_attention_deterministic_gpu(torch_gen):
+    """deterministic=True: the same gradients bit for bit, at 4096 tokens in bf16, where the sliding branch's
+    flash backward would otherwise run the one-pass Hopper kernel and its dQ atomics."""
+    seqlen, group = 4096, 4
+    q, k, v = [x.detach().to("cuda", torch.bfloat16).requires_grad_() for x in qkv(torch_gen, 1, seqlen, group, 1, 128)]
+    gates = [g.detach().to("cuda", torch.bfloat16).requires_grad_() for g in _gates(torch_gen, 1, seqlen, group)]
+    dout = torch.randn(1, seqlen, group, 128, generator=torch_gen).to("cuda", torch.bfloat16)
+
+    def grads():
+        out = native_sparse_attention(q, k, v, *gates, block_counts=4, block_size=64, window_size=512,
+                                      deterministic=True)
+        return torch.autograd.grad(out, (q, k, v, *gates), dout)
+    first = grads()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, grads()))
 
 
 @pytest.mark.gpu
