@@ -381,6 +381,32 @@ def test_selected_branch_split_lists_gpu(torch_gen, monkeypatch, group, loop):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", [4, 16])
+def test_native_sparse_attention_cuda_graph_gpu(torch_gen, group):
+    """The forward makes no host synchronisation, so it captures in a CUDA graph as it is (what takes the
+    host's launch work out of short sequences): a replay on new inputs gives the eager output."""
+    seqlen = 2048
+    q, k, v = [x.detach().to("cuda", torch.bfloat16) for x in qkv(torch_gen, 1, seqlen, 4 * group, 4, 128)]
+    gates = [g.detach().to("cuda", torch.bfloat16) for g in _gates(torch_gen, 1, seqlen, 4 * group)]
+
+    def call():
+        return native_sparse_attention(q, k, v, *gates, block_counts=8, block_size=64, window_size=256)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        for x in (q, k, v, *gates):
+            x.copy_(torch.randn(x.shape, generator=torch_gen).to(x))
+        graph.replay()
+        assert torch.equal(captured, call())
+
+
+@pytest.mark.gpu
 def test_native_sparse_attention_deterministic_gpu(torch_gen):
     """deterministic=True: the same gradients bit for bit, at 4096 tokens in bf16, where the sliding branch's
     flash backward would otherwise run the one-pass Hopper kernel and its dQ atomics."""
