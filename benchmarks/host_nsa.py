@@ -16,6 +16,7 @@ import warnings
 import torch
 
 import dualattn.torch_api as dt
+from dualattn.bench.flash import captured
 
 
 def measure(seqlen: int, group: int, calls: int = 30) -> dict:
@@ -51,17 +52,10 @@ def measure(seqlen: int, group: int, calls: int = 30) -> dict:
                 call()
             torch.cuda.synchronize()
         device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 10 / 1e3
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = call()
+        graph, out = captured(call)
         graph.replay()
         torch.cuda.synchronize()
-        same = torch.equal(captured, call())
+        same = torch.equal(out, call())
         start_replay = time.perf_counter()
         for _ in range(calls):
             graph.replay()

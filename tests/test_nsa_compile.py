@@ -96,8 +96,9 @@ def test_importance_tiles_fit_the_registers(dtype, d, group, arch):
 
 @pytest.mark.parametrize("num_blocks, arch", [(1024, 90), pytest.param(32768, 80, marks=pytest.mark.slow)])
 def test_compile_nsa_top_k(num_blocks, arch):
-    """The top-k kernel at T = 64k (block 64) and at its widest rows, without spilling its score row."""
-    launch = nsa_plan.plan_topk(4 * 65536, num_blocks, 16)
+    """The top-k kernel at T = 64k (block 64) and at its widest rows, reading causal prefixes as NSA runs it,
+    without spilling its score row."""
+    launch = nsa_plan.plan_topk(4 * 65536, num_blocks, 16, (num_blocks * 64, 4, 64))
     compiled = compile_check.compile_launch(launch, dict(scores="float32"), arch=arch)
     assert f".entry {launch.kernel}(" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= MAX_SHARED[arch]

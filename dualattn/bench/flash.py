@@ -148,6 +148,21 @@ def throughput_ms(step: Step, min_ms: float = 200.0, repeats: int = 5) -> float:
     return sorted(rounds)[len(rounds) // 2]
 
 
+def captured(fn: Callable[[], object]):
+    """(graph, output) of one call of `fn` captured in a CUDA graph, after one warm-up call on a side stream
+    (as torch.cuda.graphs asks); graph.replay() reruns it on whatever the captured inputs then hold."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    return graph, output
+
+
 def kernel_times(fn: Callable[[], object], calls: int = 5, width: int = 70) -> dict:
     """{kernel name (first `width` characters): device ms per call} of `fn` over `calls` calls after one
     warm-up, from torch.profiler: CUPTI sees every kernel on the GPU, JAX's and XLA's included."""

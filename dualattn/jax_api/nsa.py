@@ -161,7 +161,7 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
     take = min(count, n_blocks)
     if backend == "triton":
         scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale)
-        topk = nsa_plan.plan_topk(b * t * hkv, n_blocks, count)
+        topk = nsa_plan.plan_topk(b * t * hkv, n_blocks, count, (t, hkv, block_size))
         if topk is not None:
             return _launch.run(topk, dict(scores=scores))["indices"].reshape(b, t, hkv, count)
         chosen = []

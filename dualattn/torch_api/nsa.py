@@ -220,7 +220,7 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
     scores = _launch.run(launch, dict(query=_cpu_upcast(query.contiguous()), k_cmp=_cpu_upcast(k_cmp.contiguous()),
                                       lse=lse.float().contiguous()))["scores"]
     n_blocks = scores.shape[-1]
-    topk = nsa_plan.plan_topk(b * t * heads_kv, n_blocks, count)
+    topk = nsa_plan.plan_topk(b * t * heads_kv, n_blocks, count, (t, heads_kv, block_size))
     if topk is not None:
         return _launch.run(topk, dict(scores=scores))["indices"].view(b, t, heads_kv, count)
     take = min(count, n_blocks)

@@ -391,19 +391,13 @@ def test_native_sparse_attention_cuda_graph_gpu(torch_gen, group):
 
     def call():
         return native_sparse_attention(q, k, v, *gates, block_counts=8, block_size=64, window_size=256)
+    from dualattn.bench.flash import captured
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = call()
+        graph, out = captured(call)
         for x in (q, k, v, *gates):
             x.copy_(torch.randn(x.shape, generator=torch_gen).to(x))
         graph.replay()
-        assert torch.equal(captured, call())
+        assert torch.equal(out, call())
 
 
 @pytest.mark.gpu
@@ -496,6 +490,23 @@ def test_top_k_kernel(torch_gen, rows, blocks, count):
     for row, idx in zip(score.tolist(), got.tolist()):
         want = [c for c in sorted(range(blocks), key=lambda c: (-row[c], c)) if row[c] != float("-inf")][:count]
         assert idx == want + [-1] * (count - len(want))
+
+
+def test_top_k_kernel_reads_causal_prefixes(torch_gen):
+    """causal_rows: (B, seqlen, Hkv) rows that are -inf past their token's own block, as the importance
+    scores are; programs read the eighth, quarter, half or whole of the row their tokens need (here 16,
+    32, 64 and 128 of 128 blocks, over two sequences): the same indices as the kernel reading whole rows."""
+    from dualattn.torch_api import _launch
+    batch, seqlen, heads_kv, block_size, count = 2, 256, 1, 2, 5
+    blocks = seqlen // block_size
+    score = torch.randint(0, 3, (batch, seqlen, heads_kv, blocks), generator=torch_gen).float()
+    own = (torch.arange(seqlen) // block_size)[None, :, None, None]
+    column = torch.arange(blocks)[None, None, None, :]
+    score = torch.where(column > own, float("-inf"), torch.where(column == own, float("inf"), score)).view(-1, blocks)
+    whole = _launch.run(nsa_plan.plan_topk(score.shape[0], blocks, count), dict(scores=score))["indices"]
+    launch = nsa_plan.plan_topk(score.shape[0], blocks, count, (seqlen, heads_kv, block_size))
+    assert torch.equal(_launch.run(launch, dict(scores=score))["indices"], whole)
+    assert whole[-1].tolist()[0] == blocks - 1 and whole[2].tolist() == [1, 0, -1, -1, -1]
 
 
 @pytest.mark.parametrize("batch, seqlen", [(2, 150), (1, 20), (1, 32)])

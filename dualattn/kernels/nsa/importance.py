@@ -60,29 +60,54 @@ def nsa_importance_kernel(
                  mask=(t_tok[:, None] < seq_len) & (offs_c[None, :] < num_blocks))
 
 
-@triton.jit(do_not_specialize=["rows", "num_blocks"])
+@triton.jit
+def top_entries(SCORES, rows64, row_ok, num_blocks, COUNT: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+                WIDTH: tl.constexpr):
+    """[ROWS, BLOCK_SLOTS] the indices of the COUNT largest of the rows' first WIDTH scores, by decreasing
+    score, ties to the lower index, -1 once only -inf entries are left.  COUNT rounds of (max, lowest
+    index holding it, take it out) over the row held in registers: COUNT is small (16 in the paper)
+    next to a sort of every row."""
+    offs_c = tl.arange(0, WIDTH)
+    offs_s = tl.arange(0, BLOCK_SLOTS)
+    s = tl.load(SCORES + rows64[:, None] * num_blocks + offs_c[None, :],
+                mask=row_ok[:, None] & (offs_c[None, :] < num_blocks), other=float("-inf"))
+    chosen = tl.full([rows64.shape[0], BLOCK_SLOTS], -1, tl.int32)
+    for slot in tl.range(0, COUNT):
+        best = reduce_max(s, 1)
+        first = tl.reduce(tl.where(s == best[:, None], offs_c[None, :], WIDTH), 1, tl.standard._elementwise_min)
+        chosen = tl.where(offs_s[None, :] == slot, tl.where(best == float("-inf"), -1, first)[:, None], chosen)
+        s = tl.where(offs_c[None, :] == first[:, None], float("-inf"), s)
+    return chosen
+
+
+@triton.jit(do_not_specialize=["rows", "num_blocks", "seqlen", "heads_kv"])
 def nsa_topk_kernel(
-    SCORES, rows, num_blocks, INDICES,
+    SCORES, rows, num_blocks, seqlen, heads_kv, INDICES,
     COUNT: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_NB: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL_ROWS: tl.constexpr,
 ):
     """Per row of SCORES (rows, num_blocks) fp32: the indices of its COUNT largest entries, by
     decreasing score, ties to the lower index, -1 once only -inf entries are left; INDICES
-    (rows, COUNT) int32.  The importance scores are +inf for the own block and -inf past it, so
-    the own block comes first and no block after it is chosen.  COUNT rounds of (max, lowest index
-    holding it, take it out) over a row held in registers: COUNT is small (16 in the paper) next
-    to a sort of every row."""
+    (rows, COUNT) int32 (top_entries).  The importance scores are +inf for the own block and -inf
+    past it, so the own block comes first and no block after it is chosen.  CAUSAL_ROWS: the rows are
+    the importance scores' (B, seqlen, heads_kv) and each is -inf past its token's own block
+    (t // BLOCK_SIZE), so a program reads only its rows' widest prefix, a half, quarter or eighth of
+    BLOCK_NB where that covers it: the same indices for a third less work over a causal sequence."""
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs_c = tl.arange(0, BLOCK_NB)
     offs_s = tl.arange(0, BLOCK_SLOTS)
     row_ok = offs_r < rows
     rows64 = offs_r.to(tl.int64)
-    s = tl.load(SCORES + rows64[:, None] * num_blocks + offs_c[None, :],
-                mask=row_ok[:, None] & (offs_c[None, :] < num_blocks), other=float("-inf"))
-    chosen = tl.full([ROWS, BLOCK_SLOTS], -1, tl.int32)
-    for slot in tl.range(0, COUNT):
-        best = reduce_max(s, 1)
-        first = tl.reduce(tl.where(s == best[:, None], offs_c[None, :], BLOCK_NB), 1, tl.standard._elementwise_min)
-        chosen = tl.where(offs_s[None, :] == slot, tl.where(best == float("-inf"), -1, first)[:, None], chosen)
-        s = tl.where(offs_c[None, :] == first[:, None], float("-inf"), s)
+    if CAUSAL_ROWS and BLOCK_NB >= 128:
+        width = reduce_max(tl.where(row_ok, (offs_r // heads_kv) % seqlen // BLOCK_SIZE + 1, 0), 0)
+        if width <= BLOCK_NB // 8:
+            chosen = top_entries(SCORES, rows64, row_ok, num_blocks, COUNT, BLOCK_SLOTS, BLOCK_NB // 8)
+        elif width <= BLOCK_NB // 4:
+            chosen = top_entries(SCORES, rows64, row_ok, num_blocks, COUNT, BLOCK_SLOTS, BLOCK_NB // 4)
+        elif width <= BLOCK_NB // 2:
+            chosen = top_entries(SCORES, rows64, row_ok, num_blocks, COUNT, BLOCK_SLOTS, BLOCK_NB // 2)
+        else:
+            chosen = top_entries(SCORES, rows64, row_ok, num_blocks, COUNT, BLOCK_SLOTS, BLOCK_NB)
+    else:
+        chosen = top_entries(SCORES, rows64, row_ok, num_blocks, COUNT, BLOCK_SLOTS, BLOCK_NB)
     tl.store(INDICES + rows64[:, None] * COUNT + offs_s[None, :], chosen,
              mask=row_ok[:, None] & (offs_s[None, :] < COUNT))

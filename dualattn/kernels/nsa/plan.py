@@ -623,19 +623,24 @@ def topk_tiles(block_nb: int) -> Tuple[int, int]:
     return max(1, min(4, 2048 // block_nb)), max(1, block_nb // 2048)
 
 
-def plan_topk(rows: int, num_blocks: int, count: int) -> Optional[Launch]:
+def plan_topk(rows: int, num_blocks: int, count: int, causal_rows: Optional[Tuple[int, int, int]] = None
+              ) -> Optional[Launch]:
     """The selection from the importance scores (importance.nsa_topk_kernel): input scores fp32
-    (rows, num_blocks) contiguous, output indices int32 (rows, count).  None past TOPK_MAX_BLOCKS."""
+    (rows, num_blocks) contiguous, output indices int32 (rows, count).  causal_rows: (seqlen, heads_kv,
+    block_size) where the rows are the importance scores' (B, seqlen, heads_kv), each -inf past its
+    token's own block, so that programs read only that prefix.  None past TOPK_MAX_BLOCKS."""
     block_nb = max(16, next_pow2(num_blocks))
     if block_nb > TOPK_MAX_BLOCKS:
         return None
     rows_per_program, num_warps = topk_tiles(block_nb)
+    seqlen, heads_kv, block_size = causal_rows or (1, 1, 1)
     return Launch(
         module="nsa.importance", kernel="nsa_topk_kernel", grid=(cdiv(rows, rows_per_program), 1, 1),
-        inputs=("scores",), scalars=(("rows", rows), ("num_blocks", num_blocks)),
+        inputs=("scores",), scalars=(("rows", rows), ("num_blocks", num_blocks), ("seqlen", seqlen),
+                                     ("heads_kv", heads_kv)),
         outputs=(Output("indices", (rows, count), "int32"),),
         constexprs=(("COUNT", count), ("BLOCK_SLOTS", max(2, next_pow2(count))), ("BLOCK_NB", block_nb),
-                    ("ROWS", rows_per_program)),
+                    ("ROWS", rows_per_program), ("BLOCK_SIZE", block_size), ("CAUSAL_ROWS", causal_rows is not None)),
         num_warps=num_warps, num_stages=1)
 
 
