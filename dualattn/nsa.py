@@ -168,6 +168,9 @@ def check_native(query, key, value, *, gates: dict, block_indices, block_counts,
         varlen_bounds(cu_values, t)
     need_selection = gates["g_slc"] is not None or return_block_indices
     count = _check_int("block_counts", block_counts, 1) if block_indices is None and need_selection else None
+    if (gates["g_cmp"] is not None or count is not None) and block_size * hq > MAX_GRID_Y:
+        raise ValueError(f"block_size * query heads must be at most {MAX_GRID_Y} for the compressed branch (its "
+                         f"launch folds each block's tokens into the heads), got {block_size} * {hq}")
     return NativeArgs(b, t, hq, hkv, d, block_size, window_size, scale, need_selection, count)
 
 
@@ -177,6 +180,16 @@ def default_scale(head_dim: int, softmax_scale) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     return float(softmax_scale)
+
+
+# CUDA's limit on a grid's y axis, where the flash kernels' non-persistent grids hold batch * heads.
+MAX_GRID_Y = 65535
+
+
+def compressed_batch_rows(heads_q: int, block_size: int) -> int:
+    """Batch rows per compressed-branch launch: its folded launch has block_size * Hq heads a row
+    (compressed_launches), and batch * heads may not pass MAX_GRID_Y (B = 16 at block 64, Hq 64 would)."""
+    return max(1, MAX_GRID_Y // (block_size * heads_q))
 
 
 class CompressedLaunches(NamedTuple):

@@ -114,6 +114,11 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str, 
     """Compressed branch of one sequence: (out, lse (B, Hq, T) or None, pooled keys or None), as the torch
     front end's: dense flash launches (nsa.compressed_launches says how)."""
     b, t, hq, _ = query.shape
+    rows = checks.compressed_batch_rows(hq, block_size)
+    if b > rows:
+        parts = [_compressed(query[i:i + rows], key[i:i + rows], value[i:i + rows], block_size, scale, backend,
+                             deterministic) for i in range(0, b, rows)]
+        return tuple(None if p[0] is None else jnp.concatenate(p) for p in zip(*parts))
     n, body, tail = checks.compressed_launches(t, block_size)
     if n == 0:   # no complete block: no token sees any
         return jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype), None, None

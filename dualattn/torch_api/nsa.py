@@ -165,6 +165,11 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
     """Compressed branch of one sequence: (out (B, T, Hq, Dv), lse (B, Hq, T) or None, pooled keys), as
     dense flash launches (nsa.compressed_launches says how)."""
     b, t, hq, _ = query.shape
+    rows = checks.compressed_batch_rows(hq, block_size)
+    if b > rows:
+        parts = [_compressed(query[i:i + rows], key[i:i + rows], value[i:i + rows], block_size, scale, deterministic)
+                 for i in range(0, b, rows)]
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
     n, body, tail = checks.compressed_launches(t, block_size)
     if n == 0:   # no complete block: no token sees any.  Zeros that autograd links to q, k and v, so
         # their gradients are zeros (as in JAX), not missing; `where` passes no inf or NaN of theirs.

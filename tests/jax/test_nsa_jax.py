@@ -146,6 +146,17 @@ def test_bad_input(rng):
                                         deterministic=1)
 
 
+def test_compressed_branch_in_batch_slices(rng, monkeypatch):
+    """As the torch front end's: a batch slice a launch past the (here lowered) grid limit."""
+    import dualattn.nsa as checks
+    monkeypatch.setattr(checks, "MAX_GRID_Y", 40)
+    q, k, v = (rng.standard_normal((2, 40, h, 16)).astype(np.float32) for h in (2, 1, 1))
+    gates = [rng.random((2, 40, 2)).astype(np.float32) for _ in range(2)]
+    opts = dict(block_counts=2, block_size=16)
+    _check(lambda *a: jax_api.native_sparse_attention(*a, backend="xla", **opts),
+           lambda *a: reference_nsa(*a, **opts)[0], (q, k, v, *gates), rng)
+
+
 @pytest.mark.parametrize("seqlen", [70, 20])
 def test_compressed_branch_launches(rng, seqlen):
     """The compressed branch's launches (nsa.compressed_launches): several blocks and a tail, one block

@@ -509,6 +509,20 @@ def test_top_k_kernel_reads_causal_prefixes(torch_gen):
     assert whole[-1].tolist()[0] == blocks - 1 and whole[2].tolist() == [1, 0, -1, -1, -1]
 
 
+def test_compressed_branch_in_batch_slices(torch_gen, monkeypatch):
+    """Batch * folded heads past CUDA's grid y limit: the compressed branch runs a batch slice a launch
+    (nsa.compressed_batch_rows; the limit lowered here so that 2 rows of 16 * 2 heads split); and past it
+    with one row, a ValueError before any launch."""
+    import dualattn.nsa as checks
+    monkeypatch.setattr(checks, "MAX_GRID_Y", 40)
+    assert checks.compressed_batch_rows(2, 16) == 1
+    q, k, v = qkv(torch_gen, 2, 40, 2, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 2, 40, 2, "cs"), FP32_TOL, block_counts=2, block_size=16)
+    monkeypatch.setattr(checks, "MAX_GRID_Y", 16)
+    with pytest.raises(ValueError, match="block_size \\* query heads must be at most 16"):
+        native_sparse_attention(q, k, v, g_cmp=torch.ones(1, 40, 2).expand(2, 40, 2), block_size=16)
+
+
 @pytest.mark.parametrize("batch, seqlen", [(2, 150), (1, 20), (1, 32)])
 def test_compressed_branch_launches(torch_gen, batch, seqlen):
     """The compressed branch's three launches (nsa.compressed_launches): phase-folded whole blocks, the
