@@ -120,6 +120,17 @@ def test_compile_nsa_gates(arch, dtype, d, branches, backward):
     assert ".local" not in compiled.asm["ptx"]
 
 
+@pytest.mark.parametrize("arch, dtype, d, dv, block_size", [(90, "bfloat16", 128, 128, 64),
+                                                             (80, "float32", 256, 192, 256)])
+def test_compile_nsa_pool(arch, dtype, d, dv, block_size):
+    """The pooled keys and values at T = 64k: block 64 at D = 128, and the widest block and head (fp32,
+    summed 32 rows a step) without spills."""
+    launch = nsa_plan.plan_pool(2, 65536, 4, d, dv, block_size)
+    compiled = compile_check.compile_launch(launch, dict(key=dtype, value=dtype), arch=arch)
+    assert f".entry {launch.kernel}(" in compiled.asm["ptx"]
+    assert ".local" not in compiled.asm["ptx"]
+
+
 @pytest.mark.parametrize("spec", ["torch", "jax"])
 def test_dkv_register_cap_fits_three_programs_an_sm(spec):
     """16-bit dK / dV programs with heads wider than 64 carry plan.DKV_MAX_REGISTERS into their PTX

@@ -2,7 +2,9 @@
 custom_vjp; jax-triton on GPU, Triton's interpreter on CPU), "xla" (pure JAX) or "auto".
 
 The compressed branch (phase-folded, nsa.compressed_launches) and the sliding branch run on
-flash_attention, both with the same backend; the branches and their gates are summed by JAX.
+flash_attention, both with the same backend.  With "triton" the pooled keys and values and the gated sum
+come from the shared kernels too (kernels/nsa/pool.py, gates.py), so that the chosen blocks and the
+output are the torch front end's bits; "xla" computes them with jnp.
 """
 from __future__ import annotations
 
@@ -110,6 +112,78 @@ def _pool(x, block_size: int):
         2).astype(x.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _pool_kernel(key, value, block_size: int, seqlen: int):
+    """The pooled keys and values of the whole blocks from the shared kernel (kernels/nsa/pool.py)."""
+    b, _, hkv, d = key.shape
+    launch = nsa_plan.plan_pool(b, seqlen, hkv, d, value.shape[-1], block_size)
+    res = _launch.run(launch, dict(key=key, value=value))
+    return res["k_cmp"], res["v_cmp"]
+
+
+def _pool_kernel_fwd(key, value, block_size: int, seqlen: int):
+    return _pool_kernel(key, value, block_size, seqlen), None
+
+
+def _pool_kernel_bwd(block_size: int, seqlen: int, _, grads):
+    """Each token of a whole block gets its block's gradient / block_size (in fp32, as the mean's), the
+    tail tokens 0."""
+    def spread(g):
+        b, n, h, d = g.shape
+        each = jnp.broadcast_to((g.astype(jnp.float32) / block_size).astype(g.dtype)[:, :, None],
+                                (b, n, block_size, h, d)).reshape(b, n * block_size, h, d)
+        return jnp.pad(each, ((0, 0), (0, seqlen - n * block_size), (0, 0), (0, 0)))
+    return tuple(spread(g) for g in grads)
+
+
+_pool_kernel.defvjp(_pool_kernel_fwd, _pool_kernel_bwd)
+
+
+def _gate_arrays(gates, outs) -> dict:
+    arrays = {}
+    for i, (g, o) in enumerate(zip(gates, outs)):
+        arrays[f"o{i}"], arrays[f"g{i}"] = o.reshape(-1, o.shape[-1]), g.reshape(-1)
+    return arrays
+
+
+@jax.custom_vjp
+def _gates_kernel(gates: tuple, outs: tuple):
+    """sum of g[..., None] * o over the branches from the shared kernel (kernels/nsa/gates.py)."""
+    shape = outs[0].shape
+    launch = nsa_plan.plan_gates(int(np.prod(shape[:-1])), shape[-1], len(outs))
+    return _launch.run(launch, _gate_arrays(gates, outs))["out"].reshape(shape)
+
+
+def _gates_kernel_fwd(gates: tuple, outs: tuple):
+    return _gates_kernel(gates, outs), (gates, outs)
+
+
+def _gates_kernel_bwd(res, dout):
+    gates, outs = res
+    shape = outs[0].shape
+    launch = nsa_plan.plan_gates_backward(int(np.prod(shape[:-1])), shape[-1], len(outs))
+    grads = _launch.run(launch, dict(_gate_arrays(gates, outs), dout=dout.reshape(-1, shape[-1])))
+    return (tuple(grads[f"dg{i}"].reshape(g.shape) for i, g in enumerate(gates)),
+            tuple(grads[f"do{i}"].reshape(o.shape) for i, o in enumerate(outs)))
+
+
+_gates_kernel.defvjp(_gates_kernel_fwd, _gates_kernel_bwd)
+
+
+def _gated_sum(dtype, backend: str, *terms):
+    """Sum over the (gate, branch output) terms whose output is not None of gate[..., None] * output, in
+    `dtype`: the shared kernel (triton), or jnp, which XLA fuses into one loop (xla)."""
+    gates = tuple(g for g, o in terms if o is not None)
+    outs = tuple(o.astype(dtype) for _, o in terms if o is not None)
+    if backend == "triton":
+        return _gates_kernel(gates, outs)
+    out = None
+    for g, o in zip(gates, outs):
+        term = g.astype(dtype)[..., None] * o
+        out = term if out is None else out + term
+    return out
+
+
 def _compressed(query, key, value, block_size: int, scale: float, backend: str, deterministic: bool):
     """Compressed branch of one sequence: (out, lse (B, Hq, T) or None, pooled keys or None), as the torch
     front end's: dense flash launches (nsa.compressed_launches says how)."""
@@ -122,7 +196,10 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str, 
     n, body, tail = checks.compressed_launches(t, block_size)
     if n == 0:   # no complete block: no token sees any
         return jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype), None, None
-    k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
+    if backend == "triton":
+        k_cmp, v_cmp = _pool_kernel(key, value, block_size, t)
+    else:
+        k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
     attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, backend=backend,
                                deterministic=deterministic)
     if n > 1:
@@ -224,24 +301,22 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     if cu_seqlens is not None and cu_values is None and (g_cmp is not None or block_indices is None):
         raise ValueError("cu_seqlens must be a concrete array (not traced) for the compressed branch and the "
                          "selection, which run per sequence")
-    out = None
+    o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
         for lo, hi in checks.sequences(cu_values, t):
-            o_cmp, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale,
-                                            backend, deterministic)
-            outs.append(o_cmp)
+            o, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale, backend,
+                                        deterministic)
+            outs.append(o)
             if block_indices is None and need_selection:
                 chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale, backend))
         if g_cmp is not None:
-            out = g_cmp.astype(query.dtype)[..., None] * jnp.concatenate(outs, axis=1)
+            o_cmp = jnp.concatenate(outs, axis=1)
         if chosen:
             block_indices = jnp.concatenate(chosen, axis=1)
     if g_slc is not None:
         o_slc = apply_native_sparse_attention(query, key, value, block_indices, block_counts, block_size, scale,
                                               cu_seqlens, backend)
-        term = g_slc.astype(query.dtype)[..., None] * o_slc
-        out = term if out is None else out + term
     if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),
@@ -251,6 +326,5 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
             o_swa = flash_attention_varlen(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
                                            causal=True, sliding_window=(window_size, 0), softmax_scale=scale,
                                            backend=backend, deterministic=deterministic)[None]
-        term = g_swa.astype(query.dtype)[..., None] * o_swa
-        out = term if out is None else out + term
+    out = _gated_sum(query.dtype, backend, (g_cmp, o_cmp), (g_slc, o_slc), (g_swa, o_swa))
     return (out, block_indices) if return_block_indices else out

@@ -156,9 +156,27 @@ def apply_native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, blo
     return _SelectedAttention.apply(query, key, value, block_indices, counts, cu_seqlens, shapes, scale, count or 0)
 
 
-def _pool(x: Tensor, block_size: int) -> Tensor:
-    n = x.shape[1] // block_size
-    return x[:, :n * block_size].unflatten(1, (n, block_size)).float().mean(2).to(x.dtype)
+class _Pool(torch.autograd.Function):
+    """The pooled keys and values of the whole blocks (kernels/nsa/pool.py: one launch for both) and
+    their backward: each token of a whole block gets its block's gradient / block_size (in fp32, as a
+    mean's), the tail tokens 0."""
+
+    @staticmethod
+    def forward(ctx, key, value, block_size):
+        b, t, hkv, d = key.shape
+        res = _launch.run(nsa_plan.plan_pool(b, t, hkv, d, value.shape[-1], block_size),
+                          dict(key=_cpu_upcast(key.contiguous()), value=_cpu_upcast(value.contiguous())))
+        ctx.block_size, ctx.seqlen = block_size, t
+        return res["k_cmp"].to(key.dtype), res["v_cmp"].to(value.dtype)
+
+    @staticmethod
+    def backward(ctx, dk_cmp, dv_cmp):
+        def spread(g):
+            b, n, h, d = g.shape
+            each = (g.float() / ctx.block_size).to(g.dtype)[:, :, None].expand(b, n, ctx.block_size, h, d)
+            return torch.nn.functional.pad(each.reshape(b, n * ctx.block_size, h, d),
+                                           (0, 0, 0, 0, 0, ctx.seqlen - n * ctx.block_size))
+        return spread(dk_cmp), spread(dv_cmp), None
 
 
 def _compressed(query, key, value, block_size: int, scale: float, deterministic: bool):
@@ -176,7 +194,7 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
         none = torch.zeros((), dtype=torch.bool, device=query.device)
         linked = sum(torch.where(none, x, 0).sum() for x in (query, key, value))
         return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype), None, None
-    k_cmp, v_cmp = _pool(key, block_size), _pool(value, block_size)
+    k_cmp, v_cmp = _Pool.apply(key, value, block_size)
     attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, deterministic=deterministic)
     if n > 1:
         def tiled(x):   # (B, n - 1, bs * H, D): the first n - 1 pooled blocks, once per phase
@@ -192,7 +210,13 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
         out, lse = torch.cat([out, o_tail], 1), torch.cat([lse, lse_tail], 2)
     last = torch.arange(block_size - 1, body, block_size, device=query.device)
     o_last, lse_last = attend(query[:, block_size - 1:body:block_size], k_cmp, v_cmp, causal=True)
-    return out.index_copy(1, last, o_last), lse.index_copy(2, last, lse_last), k_cmp
+    return _rows_replaced(out, 1, last, o_last), _rows_replaced(lse, 2, last, lse_last), k_cmp
+
+
+def _rows_replaced(x: Tensor, dim: int, index: Tensor, rows: Tensor) -> Tensor:
+    """x with `rows` at `index` along dim: in place unless autograd holds x (flash_attention's backward
+    saves its output), which spares a copy of the whole branch output (1 GB at T = 64k, Hq = 64, bf16)."""
+    return x.index_copy(dim, index, rows) if x.requires_grad else x.index_copy_(dim, index, rows)
 
 
 def top_k_lowest_ties(score: Tensor, k: int) -> Tensor:

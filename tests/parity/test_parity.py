@@ -496,3 +496,39 @@ def test_gpu_blocksparse_on_the_gluon_kernels_is_the_same_in_both(monkeypatch, c
     _assert_same_bits(t, j, one_pass=True)
     assert chains and {c[-1] for c in chains} == {"flash_fwd_gluon_kernel"}, chains
     assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [4, 16])
+def test_gpu_native_sparse_attention_is_the_same_in_both(group):
+    """NSA through both front ends on torch's buffers (bf16, 1000 tokens: a tail after the last whole block):
+    the chosen blocks, the output and the gates' gradients bitwise equal; q, k, v's gradients sum three
+    branches' parts, which each framework's autodiff adds in its own order, so those agree to bf16 rounding.
+    deterministic=True: the flash backwards add no atomics."""
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    seqlen, heads_kv, head_dim = 1000, 2, 128
+    heads_q = heads_kv * group
+
+    def rand(*shape, uniform=False):
+        x = torch.rand(*shape, device="cuda", generator=gen) if uniform else torch.randn(*shape, device="cuda",
+                                                                                         generator=gen)
+        return x.to(torch.bfloat16)
+    inputs = [rand(1, seqlen, h, head_dim) for h in (heads_q, heads_kv, heads_kv)]
+    inputs += [rand(1, seqlen, heads_q, uniform=True) for _ in range(3)]
+    dout = rand(1, seqlen, heads_q, head_dim)
+    opts = dict(block_counts=8, block_size=64, window_size=128, deterministic=True)
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    t_out, t_idx = dt.native_sparse_attention(*leaves, return_block_indices=True, **opts)
+    t_grads = torch.autograd.grad(t_out, leaves, dout)
+    as_jax = [jax.dlpack.from_dlpack(x) for x in inputs]
+    j_idx = jax.jit(lambda *a: dj.native_sparse_attention(*a, backend="triton", return_block_indices=True,
+                                                          **opts)[1])(*as_jax)
+    j_out, vjp = jax.vjp(jax.jit(lambda *a: dj.native_sparse_attention(*a, backend="triton", **opts)), *as_jax)
+    j_grads = [torch.from_dlpack(g) for g in vjp(jax.dlpack.from_dlpack(dout))]
+    assert torch.equal(torch.from_dlpack(j_idx), t_idx)
+    assert torch.equal(torch.from_dlpack(j_out).view(torch.int16), t_out.view(torch.int16))
+    for name, j, t in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_swa"), j_grads, t_grads):
+        if name.startswith("dg"):
+            assert torch.equal(j.view(torch.int16), t.view(torch.int16)), name
+        else:
+            assert_close_rel(j, t, 1e-2, name)

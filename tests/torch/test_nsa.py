@@ -229,6 +229,18 @@ def test_native_sparse_attention(torch_gen, group, seqlen, block_size, count, wi
               window_size=window)
 
 
+def test_native_sparse_attention_without_autograd_is_the_same(torch_gen):
+    """Under torch.no_grad the compressed branch writes its blocks' last-token rows into the flash output in
+    place (no backward holds it): the same bits as with autograd recording."""
+    q, k, v = qkv(torch_gen, 1, 70, 2, 1, 16)
+    gates = _gates(torch_gen, 1, 70, 2, "cs")
+    with_graph = native_sparse_attention(q, k, v, *gates, block_counts=2, block_size=16)
+    with torch.no_grad():
+        without = native_sparse_attention(q, k, v, *gates, block_counts=2, block_size=16)
+    assert with_graph.requires_grad and not without.requires_grad
+    assert torch.equal(with_graph, without)
+
+
 def test_native_sparse_attention_given_indices_and_partial_gates(torch_gen):
     q, k, v = qkv(torch_gen, 1, 64, 2, 1, 16)
     idx, counts = random_selection(torch_gen, 1, 64, 1, 3, 16)
@@ -441,6 +453,26 @@ def test_native_sparse_attention_gpu(torch_gen, group, dtype, seqlen):
 
 
 @pytest.mark.gpu
+def test_compressed_branch_in_batch_slices_gpu(torch_gen):
+    """Batch * folded heads past CUDA's grid-y limit on the GPU: 17 rows of 64 * 64 folded heads in fp32,
+    whose flash grids put batch * heads on y (69632 > 65535), run as batch slices; output, gradients and
+    the chosen blocks as the reference's."""
+    import dualattn.nsa as checks
+    assert checks.compressed_batch_rows(64, 64) < 17
+    q, k, v = [x.detach().cuda().requires_grad_() for x in qkv(torch_gen, 17, 128, 64, 4, 32)]
+    gates = [g.detach().cuda().requires_grad_() for g in _gates(torch_gen, 17, 128, 64, "cs")[:2]]
+    out, used = native_sparse_attention(q, k, v, *gates, block_counts=2, block_size=64, return_block_indices=True)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, *gates)]
+    ref, ref_used = reference_nsa(*leaves, block_counts=2, block_size=64)
+    assert torch.equal(used.cpu().long(), ref_used)
+    assert_close_rel(out, ref, 1e-4, "out")
+    dout = torch.randn_like(out)
+    for name, g, r in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc"), torch.autograd.grad(out, (q, k, v, *gates), dout),
+                          torch.autograd.grad(ref, leaves, dout.double().cpu())):
+        assert_close_rel(g, r, 1e-4, name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("present", ["csw", "sw", "c"])
 def test_gated_sum_gpu(torch_gen, present):
     """The gated sum of the branches and its backward (kernels/nsa/gates.py) in bf16, at a head dim
@@ -532,3 +564,23 @@ def test_compressed_branch_launches(torch_gen, batch, seqlen):
     check_nsa(q, k, v, _gates(torch_gen, batch, seqlen, 2, "cs"), FP32_TOL, block_counts=3, block_size=16)
 
 
+
+
+@pytest.mark.parametrize("block_size, d, dv, seqlen", [(64, 256, 128, 150), (16, 24, 40, 37)])
+def test_pool_kernel(torch_gen, block_size, d, dv, seqlen):
+    """The compressed branch's pooled keys and values (kernels/nsa/pool.py; at D = 256 summed 32 rows a
+    step, D = 24 and 40 padded) and their gradients, against the float64 mean of each whole block; the
+    tail's tokens get no gradient."""
+    from dualattn.torch_api.nsa import _Pool
+    k, v = (torch.randn(2, seqlen, 3, width, generator=torch_gen).requires_grad_() for width in (d, dv))
+    pooled = _Pool.apply(k, v, block_size)
+    n = seqlen // block_size
+    leaves = [x.detach().double().requires_grad_() for x in (k, v)]
+    ref = [x[:, :n * block_size].unflatten(1, (n, block_size)).mean(2) for x in leaves]
+    for name, got, want in zip(("k_cmp", "v_cmp"), pooled, ref):
+        assert_close_rel(got, want, 1e-6, name)
+    douts = [torch.randn(p.shape, generator=torch_gen) for p in pooled]
+    for name, g, r in zip(("dk", "dv"), torch.autograd.grad(pooled, (k, v), douts),
+                          torch.autograd.grad(ref, leaves, [x.double() for x in douts])):
+        assert_close_rel(g, r, 1e-6, name)
+        assert not g[:, n * block_size:].any()

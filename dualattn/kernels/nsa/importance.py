@@ -36,28 +36,45 @@ def nsa_importance_kernel(
     q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM, BLOCK_D)
     q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
     lse = tl.load(LSE + b * stride_lb + h_rows * stride_lh + t_rows * stride_ls, mask=row_ok, other=float("-inf"))
-    # A row that sees no pooled block yet has lse -inf and contributes 0 (the mask below).
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    # +inf for a padded row and for one that sees no pooled block yet (lse -inf): exp2(s - inf) = 0,
+    # so such rows add nothing to the group sums without a mask.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     K_HEAD = head_base(K_CMP, b, start, h_kv, stride_kb, stride_ks, stride_kh)
     t_tok = t0 + tl.arange(0, TOKENS)
     own = (t_tok // BLOCK_SIZE)[:, None]
-    # Tiles after the program's last own block hold only -inf: no scores to compute there.
-    c_end = (tl.minimum(t0 + TOKENS, seq_len) - 1) // BLOCK_SIZE + 1
+    tok_ok = (t_tok < seq_len)[:, None]
+    S_ROWS = SCORES + b * stride_sb + t_tok[:, None] * stride_ss + h_kv * stride_sh
     qk_scale = sm_scale * LOG2E
-    for c0 in tl.range(0, num_blocks, BLOCK_C):
+    # Three ranges of pooled blocks: whole tiles before every row's own block (visible to all: no
+    # mask, so the loop pipelines), the tiles up to the last row's own block (visibility, +inf for
+    # the own block, -inf after it), and the rest of the row (-inf, no scores to compute).
+    c_open = (t0 // BLOCK_SIZE) // BLOCK_C * BLOCK_C
+    c_end = (tl.minimum(t0 + TOKENS, seq_len) - 1) // BLOCK_SIZE + 1
+    for c0 in tl.range(0, c_open, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
-        imp = tl.full([TOKENS, BLOCK_C], 0.0, tl.float32)
-        if c0 < c_end:
-            kc = tl.load(K_HEAD + offs_c[:, None] * stride_ks + offs_d[None, :],
-                         mask=(offs_c[:, None] < num_cmp) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_C]
-            visible = row_ok[:, None] & (offs_c[None, :] < num_cmp) & (
-                (offs_c[None, :] + 1) * BLOCK_SIZE - 1 <= t_rows[:, None])
-            p = tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-            imp = tl.reduce(tl.reshape(p, [TOKENS, GROUP_PAD, BLOCK_C]), 1, tl.standard._sum_combine)
+        kc = tl.load(K_HEAD + offs_c[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM,
+                     other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        tl.store(S_ROWS + offs_c[None, :], group_sum(p, TOKENS, GROUP_PAD, BLOCK_C), mask=tok_ok)
+    for c0 in tl.range(c_open, c_end, BLOCK_C, num_stages=1):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        kc = tl.load(K_HEAD + offs_c[:, None] * stride_ks + offs_d[None, :],
+                     mask=(offs_c[:, None] < num_cmp) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_C]
+        visible = (offs_c[None, :] + 1) * BLOCK_SIZE - 1 <= t_rows[:, None]
+        imp = group_sum(tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0), TOKENS, GROUP_PAD, BLOCK_C)
         imp = tl.where(offs_c[None, :] == own, float("inf"), tl.where(offs_c[None, :] > own, float("-inf"), imp))
-        tl.store(SCORES + b * stride_sb + t_tok[:, None] * stride_ss + h_kv * stride_sh + offs_c[None, :], imp,
-                 mask=(t_tok[:, None] < seq_len) & (offs_c[None, :] < num_blocks))
+        tl.store(S_ROWS + offs_c[None, :], imp, mask=tok_ok & (offs_c[None, :] < num_blocks))
+    for c0 in tl.range((c_end + BLOCK_C - 1) // BLOCK_C * BLOCK_C, num_blocks, BLOCK_C, num_stages=1):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        tl.store(S_ROWS + offs_c[None, :], tl.full([TOKENS, BLOCK_C], float("-inf"), tl.float32),
+                 mask=tok_ok & (offs_c[None, :] < num_blocks))
+
+
+@triton.jit
+def group_sum(p, TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """[TOKENS, BLOCK_C] the sums over each token's GROUP_PAD rows of p [TOKENS * GROUP_PAD, BLOCK_C]."""
+    return tl.reduce(tl.reshape(p, [TOKENS, GROUP_PAD, BLOCK_C]), 1, tl.standard._sum_combine)
 
 
 @triton.jit

@@ -582,6 +582,33 @@ def importance_tiles(shapes: NsaShapes) -> ImportanceTiles:
     return ImportanceTiles(tokens, 64, 4, 2)
 
 
+# Elements of a pool step (a [rows, D] tile): 64 registers a thread on 4 warps.
+POOL_STEP_ELEMENTS = 8192
+
+
+def plan_pool(batch: int, seqlen: int, heads_kv: int, head_dim: int, head_dim_v: int, block_size: int) -> Launch:
+    """The compressed branch's pooled keys and values (pool.py): inputs key (B, T, Hkv, D) and value
+    (B, T, Hkv, Dv), contiguous; outputs k_cmp (B, T // block_size, Hkv, D) and v_cmp alike, in the inputs'
+    dtypes.  One program per (batch, KV head, whole block)."""
+    n_cmp = seqlen // block_size
+    block_d, block_dv = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
+    strides = (row_major_strides((batch, seqlen, heads_kv, head_dim))[:3]
+               + row_major_strides((batch, seqlen, heads_kv, head_dim_v))[:3]
+               + row_major_strides((batch, n_cmp, heads_kv, head_dim))[:3]
+               + row_major_strides((batch, n_cmp, heads_kv, head_dim_v))[:3])
+    names = ("stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_cb", "stride_cs",
+             "stride_ch", "stride_pb", "stride_ps", "stride_ph")
+    return Launch(
+        module="nsa.pool", kernel="nsa_pool_kernel", grid=(batch * heads_kv * n_cmp, 1, 1), inputs=("key", "value"),
+        scalars=tuple(zip(names, strides)) + (("num_heads", heads_kv), ("num_cmp", n_cmp)),
+        outputs=(Output("k_cmp", (batch, n_cmp, heads_kv, head_dim), "like:key"),
+                 Output("v_cmp", (batch, n_cmp, heads_kv, head_dim_v), "like:value")),
+        constexprs=(("HEAD_DIM", head_dim), ("HEAD_DIM_V", head_dim_v), ("BLOCK_D", block_d), ("BLOCK_DV", block_dv),
+                    ("BLOCK_SIZE", block_size),
+                    ("ROWS", max(1, min(block_size, POOL_STEP_ELEMENTS // max(block_d, block_dv))))),
+        num_warps=4, num_stages=1)
+
+
 def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_dim: int, block_size: int,
                     dtype: str, softmax_scale: float) -> Launch:
     """The top-k scores of one (unpacked) sequence batch (importance.py): inputs query (B, T, Hq, D),
