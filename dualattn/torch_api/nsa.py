@@ -6,22 +6,37 @@ phase-folded, nsa.compressed_launches).
                            selected    keys j <= t in the blocks block_indices[t, h, :count]
                            sliding     keys t - window_size <= j <= t
     out = g_cmp * compressed + g_slc * selected + g_swa * sliding
+
+Each kernel call is a torch.library custom op with a fake impl (nsa_pool, nsa_top_blocks, nsa_selected_fwd /
+_bwd, nsa_gates / _bwd), so torch.compile(fullgraph=True) traces NSA as flash_attention's ops are traced;
+autograd.Functions over them call the implementations directly in eager mode (flash.py's layering).
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .. import nsa as checks
 from ..kernels.nsa import plan as nsa_plan
+from ..validation import dtype_name
 from . import _launch
 from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func
 
 Tensor = torch.Tensor
 # Tokens per chunk of the top-k: bounds its (tokens, Hkv, blocks) temporaries.
 SELECT_CHUNK = 1024
+
+
+def _op(name: str, impl):
+    return torch.library.custom_op(f"dualattn::{name}", mutates_args=(), device_types=("cpu", "cuda"))(impl)
+
+
+def _call(op, impl, *args):
+    """The custom op while torch.compile traces (one opaque node, shaped by its fake impl); in eager mode
+    its implementation, without the op dispatch's host time (as flash.py's _FlashAttention)."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
 
 
 def _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens):
@@ -49,36 +64,71 @@ def inverted_index(selection_keys: Tensor, plan) -> dict:
                 chunk_starts=chunk_starts)
 
 
+def _gate_arrays(outs, gates) -> dict:
+    arrays = {}
+    for i, (o, g) in enumerate(zip(outs, gates)):
+        if o is not None:
+            arrays[f"o{i}"], arrays[f"g{i}"] = _cpu_upcast(o.contiguous()), _cpu_upcast(g.contiguous())
+    return arrays
+
+
+def _gates_impl(o0: Tensor, o1: Optional[Tensor], o2: Optional[Tensor], g0: Tensor, g1: Optional[Tensor],
+                g2: Optional[Tensor]) -> Tensor:
+    """sum over the slots i holding a branch of g_i[..., None] * o_i, in o0's dtype (kernels/nsa/gates.py)."""
+    arrays = _gate_arrays((o0, o1, o2), (g0, g1, g2))
+    launch = nsa_plan.plan_gates(o0.shape[:-1].numel(), o0.shape[-1], len(arrays) // 2)
+    return _launch.run(launch, arrays)["out"].view(o0.shape).to(o0.dtype)
+
+
+def _gates_bwd_impl(dout: Tensor, o0: Tensor, o1: Optional[Tensor], o2: Optional[Tensor], g0: Tensor,
+                    g1: Optional[Tensor], g2: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                          Tensor]:
+    """(d o0, d o1, d o2, d g0, d g1, d g2), empty for an empty slot."""
+    outs, gates = (o0, o1, o2), (g0, g1, g2)
+    arrays = dict(_gate_arrays(outs, gates), dout=_cpu_upcast(dout.to(o0.dtype).contiguous()))
+    branches = len(arrays) // 2
+    grads = _launch.run(nsa_plan.plan_gates_backward(o0.shape[:-1].numel(), o0.shape[-1], branches), arrays)
+    empty = o0.new_empty((0,))
+    return (tuple(grads[f"do{i}"].view(o.shape).to(o.dtype) if i < branches else empty for i, o in enumerate(outs))
+            + tuple(grads[f"dg{i}"].view(g.shape).to(g.dtype) if i < branches else empty
+                    for i, g in enumerate(gates)))
+
+
+nsa_gates = _op("nsa_gates", _gates_impl)
+nsa_gates_bwd = _op("nsa_gates_bwd", _gates_bwd_impl)
+
+
+@nsa_gates.register_fake
+def _(o0, o1, o2, g0, g1, g2):
+    return torch.empty_like(o0)
+
+
+@nsa_gates_bwd.register_fake
+def _(dout, o0, o1, o2, g0, g1, g2):
+    return tuple(torch.empty_like(x) if x is not None else o0.new_empty((0,)) for x in (o0, o1, o2, g0, g1, g2))
+
+
 class _GatedSum(torch.autograd.Function):
     """Sum over the branches given (o not None) of g[..., None] * o, in `dtype`, and its backward: one
-    pass each (kernels/nsa/gates.py), where torch ran a multiply per branch and the adds."""
+    pass each (kernels/nsa/gates.py), where torch ran a multiply per branch and the adds.  The branches
+    given fill slots 0, 1, 2 in order."""
 
     @staticmethod
     def forward(ctx, dtype, g_cmp, o_cmp, g_slc, o_slc, g_swa, o_swa):
-        terms = [(g, o) for g, o in ((g_cmp, o_cmp), (g_slc, o_slc), (g_swa, o_swa)) if o is not None]
-        shape = terms[0][1].shape
-        arrays = {}
-        for i, (g, o) in enumerate(terms):
-            arrays[f"o{i}"] = _cpu_upcast(o.to(dtype).contiguous())
-            arrays[f"g{i}"] = _cpu_upcast(g.contiguous())
-        out = _launch.run(nsa_plan.plan_gates(shape[:-1].numel(), shape[-1], len(terms)), arrays)["out"]
-        ctx.save_for_backward(*arrays.values())
-        ctx.names, ctx.shape, ctx.dtype = tuple(arrays), shape, dtype
+        terms = [(g, o.to(dtype)) for g, o in ((g_cmp, o_cmp), (g_slc, o_slc), (g_swa, o_swa)) if o is not None]
+        slots = terms + [(None, None)] * (3 - len(terms))
+        outs, gates = [o for _, o in slots], [g for g, _ in slots]
+        ctx.save_for_backward(*outs, *gates)
         ctx.present = tuple(o is not None for o in (o_cmp, o_slc, o_swa))
-        ctx.gate_dtypes = [g.dtype for g, _ in terms]
-        return out.view(shape).to(dtype)
+        return _call(nsa_gates, _gates_impl, *outs, *gates)
 
     @staticmethod
     def backward(ctx, dout):
-        arrays = dict(zip(ctx.names, ctx.saved_tensors))
-        arrays["dout"] = _cpu_upcast(dout.to(ctx.dtype).contiguous())
-        branches = len(ctx.gate_dtypes)
-        grads = _launch.run(nsa_plan.plan_gates_backward(ctx.shape[:-1].numel(), ctx.shape[-1], branches), arrays)
+        grads = _call(nsa_gates_bwd, _gates_bwd_impl, dout, *ctx.saved_tensors)
         result, slot = [None], 0
         for present in ctx.present:
             if present:
-                result += [grads[f"dg{slot}"].view(ctx.shape[:-1]).to(ctx.gate_dtypes[slot]),
-                           grads[f"do{slot}"].view(ctx.shape).to(ctx.dtype)]
+                result += [grads[3 + slot], grads[slot]]
                 slot += 1
             else:
                 result += [None, None]
@@ -89,26 +139,72 @@ def _cat(parts: list, dim: int) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)   # (cat copies even one part)
 
 
+def _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size: int, seqlen: int,
+                     sequences: int) -> nsa_plan.NsaShapes:
+    """The NsaShapes nsa.selected_shapes gave, from the tensors and the two numbers a varlen table's values
+    decide (they cross the custom ops' boundary as ints)."""
+    b, t, hq, d = query.shape
+    varlen = cu_seqlens is not None
+    return nsa_plan.NsaShapes(batch=b, seqlen=seqlen, heads_q=hq, heads_kv=value.shape[2], head_dim=d,
+                              head_dim_v=value.shape[3], num_slots=block_indices.shape[3], block_size=block_size,
+                              dtype=dtype_name(query), per_token_counts=block_counts is not None, varlen=varlen,
+                              sequences=sequences, total=t if varlen else 0)
+
+
+def _selected_fwd_impl(query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor,
+                       block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor], block_size: int, seqlen: int,
+                       sequences: int, softmax_scale: float, count: int) -> Tuple[Tensor, Tensor]:
+    """(out in the query's dtype, lse fp32 (B, T, Hq)) of the selected branch."""
+    shapes = _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size, seqlen, sequences)
+    arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
+    res = nsa_plan.run_forward(nsa_plan.plan_forward(shapes, softmax_scale, count), arrays, _launch.run,
+                               inverted_index)
+    return res["out"].to(query.dtype), res["lse"]
+
+
+def _selected_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                       block_indices: Tensor, block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                       block_size: int, seqlen: int, sequences: int, softmax_scale: float,
+                       count: int) -> Tuple[Tensor, Tensor, Tensor]:
+    shapes = _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size, seqlen, sequences)
+    arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
+    arrays.update(out=_cpu_upcast(out.contiguous()), lse=lse)
+    arrays["dout"] = _cpu_upcast(dout.contiguous()).to(arrays["out"].dtype)
+    grads = nsa_plan.run_backward(nsa_plan.plan_backward(shapes, softmax_scale, count), arrays, _launch.run,
+                                  inverted_index)
+    return grads["dq"].to(query.dtype), grads["dk"].to(key.dtype), grads["dv"].to(value.dtype)
+
+
+nsa_selected_fwd = _op("nsa_selected_fwd", _selected_fwd_impl)
+nsa_selected_bwd = _op("nsa_selected_bwd", _selected_bwd_impl)
+
+
+@nsa_selected_fwd.register_fake
+def _(query, key, value, block_indices, block_counts, cu_seqlens, *statics):
+    b, t, hq, _ = query.shape
+    return query.new_empty((b, t, hq, value.shape[-1])), query.new_empty((b, t, hq), dtype=torch.float32)
+
+
+@nsa_selected_bwd.register_fake
+def _(dout, out, lse, query, key, value, *rest):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, shapes, scale, count):
-        arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
-        res = nsa_plan.run_forward(nsa_plan.plan_forward(shapes, scale, count), arrays, _launch.run, inverted_index)
-        ctx.save_for_backward(*(arrays[n] for n in ("query", "key", "value")), res["out"], res["lse"],
-                              arrays["block_indices"], arrays["block_counts"], arrays["cu_seqlens"])
-        ctx.shapes, ctx.scale, ctx.count, ctx.dtype = shapes, scale, count, query.dtype
-        return res["out"].to(query.dtype)
+    def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, statics: tuple):
+        out, lse = _call(nsa_selected_fwd, _selected_fwd_impl, query, key, value, block_indices, block_counts,
+                         cu_seqlens, *statics)
+        ctx.save_for_backward(query, key, value, out, lse, block_indices, block_counts, cu_seqlens)
+        ctx.statics = statics
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, idx, counts, cu = ctx.saved_tensors
-        arrays = dict(query=q, key=k, value=v, out=out, dout=_cpu_upcast(dout.contiguous()).to(out.dtype), lse=lse,
-                      block_indices=idx, block_counts=counts, cu_seqlens=cu)
-        grads = nsa_plan.run_backward(nsa_plan.plan_backward(ctx.shapes, ctx.scale, ctx.count), arrays, _launch.run,
-                                      inverted_index)
-        dtype = ctx.dtype
-        return (grads["dq"].to(dtype), grads["dk"].to(dtype), grads["dv"].to(dtype), None, None, None, None, None,
-                None)
+        dq, dk, dv = _call(nsa_selected_bwd, _selected_bwd_impl, dout, out, lse, q, k, v, idx, counts, cu,
+                           *ctx.statics)
+        return dq, dk, dv, None, None, None, None
 
 
 def _check_tensors(**tensors):
@@ -153,21 +249,35 @@ def apply_native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, blo
                                            cu_seqlens, _cu_values(cu_seqlens))
     scale = checks.default_scale(shapes.head_dim, softmax_scale)
     counts = None if count is not None else block_counts
-    return _SelectedAttention.apply(query, key, value, block_indices, counts, cu_seqlens, shapes, scale, count or 0)
+    statics = (shapes.block_size, shapes.seqlen, shapes.sequences, scale, count or 0)
+    return _SelectedAttention.apply(query, key, value, block_indices, counts, cu_seqlens, statics)
+
+
+def _pool_impl(key: Tensor, value: Tensor, block_size: int) -> Tuple[Tensor, Tensor]:
+    """The pooled keys and values of the whole blocks (kernels/nsa/pool.py: one launch for both)."""
+    b, t, hkv, d = key.shape
+    res = _launch.run(nsa_plan.plan_pool(b, t, hkv, d, value.shape[-1], block_size),
+                      dict(key=_cpu_upcast(key.contiguous()), value=_cpu_upcast(value.contiguous())))
+    return res["k_cmp"].to(key.dtype), res["v_cmp"].to(value.dtype)
+
+
+nsa_pool = _op("nsa_pool", _pool_impl)
+
+
+@nsa_pool.register_fake
+def _(key, value, block_size):
+    n = key.shape[1] // block_size
+    return tuple(x.new_empty((x.shape[0], n, *x.shape[2:])) for x in (key, value))
 
 
 class _Pool(torch.autograd.Function):
-    """The pooled keys and values of the whole blocks (kernels/nsa/pool.py: one launch for both) and
-    their backward: each token of a whole block gets its block's gradient / block_size (in fp32, as a
-    mean's), the tail tokens 0."""
+    """nsa_pool and its backward: each token of a whole block gets its block's gradient / block_size (in
+    fp32, as a mean's), the tail tokens 0."""
 
     @staticmethod
     def forward(ctx, key, value, block_size):
-        b, t, hkv, d = key.shape
-        res = _launch.run(nsa_plan.plan_pool(b, t, hkv, d, value.shape[-1], block_size),
-                          dict(key=_cpu_upcast(key.contiguous()), value=_cpu_upcast(value.contiguous())))
-        ctx.block_size, ctx.seqlen = block_size, t
-        return res["k_cmp"].to(key.dtype), res["v_cmp"].to(value.dtype)
+        ctx.block_size, ctx.seqlen = block_size, key.shape[1]
+        return _call(nsa_pool, _pool_impl, key, value, block_size)
 
     @staticmethod
     def backward(ctx, dk_cmp, dv_cmp):
@@ -235,17 +345,16 @@ def top_k_lowest_ties(score: Tensor, k: int) -> Tensor:
     return index.gather(-1, order)
 
 
-@torch.no_grad()
-def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float) -> Tensor:
+def _top_blocks_impl(query: Tensor, k_cmp: Optional[Tensor], lse: Optional[Tensor], heads_kv: int, block_size: int,
+                     count: int, softmax_scale: float) -> Tensor:
     """Per token and KV group: the own block first, then the blocks of highest compressed probability
     summed over the group's heads (kernels/nsa/importance.py), ties to the lower index; -1 where fewer
-    blocks exist."""
+    blocks exist.  int32 (B, T, Hkv, count)."""
     b, t, hq, d = query.shape
     if k_cmp is None:   # no complete block: only the own blocks have a score
         k_cmp = query.new_zeros(b, 1, heads_kv, d)
         lse = torch.full((b, hq, t), float("-inf"), device=query.device)
-    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype).replace("torch.", ""),
-                                      scale)
+    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, dtype_name(query), softmax_scale)
     scores = _launch.run(launch, dict(query=_cpu_upcast(query.contiguous()), k_cmp=_cpu_upcast(k_cmp.contiguous()),
                                       lse=lse.float().contiguous()))["scores"]
     n_blocks = scores.shape[-1]
@@ -260,6 +369,20 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
         out[:, lo:lo + SELECT_CHUNK, :, :take] = torch.where(chunk.gather(-1, index) == float("-inf"), -1,
                                                              index).to(torch.int32)
     return out
+
+
+nsa_top_blocks = _op("nsa_top_blocks", _top_blocks_impl)
+
+
+@nsa_top_blocks.register_fake
+def _(query, k_cmp, lse, heads_kv, block_size, count, softmax_scale):
+    return query.new_empty((*query.shape[:2], heads_kv, count), dtype=torch.int32)
+
+
+@torch.no_grad()
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float) -> Tensor:
+    """The chosen blocks (_top_blocks_impl); not differentiated."""
+    return _call(nsa_top_blocks, _top_blocks_impl, query, k_cmp, lse, heads_kv, block_size, count, scale)
 
 
 def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Optional[Tensor] = None,
