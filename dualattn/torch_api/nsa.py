@@ -193,6 +193,10 @@ def _(dout, out, lse, query, key, value, *rest):
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, statics: tuple):
+        # Contiguous and int32 once, here: the backward reuses what is saved (no second copy of either).
+        query, key, value = (x.contiguous() for x in (query, key, value))
+        block_indices, block_counts, cu_seqlens = (None if x is None else x.to(torch.int32).contiguous()
+                                                   for x in (block_indices, block_counts, cu_seqlens))
         out, lse = _call(nsa_selected_fwd, _selected_fwd_impl, query, key, value, block_indices, block_counts,
                          cu_seqlens, *statics)
         ctx.save_for_backward(query, key, value, out, lse, block_indices, block_counts, cu_seqlens)
