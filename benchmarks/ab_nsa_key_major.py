@@ -20,9 +20,20 @@ import triton
 
 import dualattn.torch_api as dt
 from dualattn.bench.flash import kernel_times
+from dualattn.kernels.launch import forget_plans
 from dualattn.kernels.nsa import plan as nsa_plan
 
 HEADS_KV, HEAD_DIM, BLOCK_SIZE, COUNT = 4, 128, 64, 16
+
+
+def patch(*names, values=None):
+    """Set nsa_plan's `names` (one: patch(name, value); several: values=) and drop the memoised plans
+    (kernels/launch.plan_memo), which the old ones built."""
+    if values is None:
+        names, values = names[:1], names[1:]
+    for name, value in zip(names, values):
+        setattr(nsa_plan, name, value)
+    forget_plans()
 
 
 PARTIAL_VARIANTS = [(64, 4, 2), (64, 4, 3), (128, 8, 2), (32, 4, 2), (64, 8, 2)]
@@ -32,7 +43,7 @@ MERGE_VARIANTS = [(64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 8, 2), (32, 4, 2), (
 def sweep(selected, shapes) -> dict:
     """{variant: device ms of its kernel} for the partial and the merge tiles (module docstring)."""
     tiles, merge = nsa_plan.key_major_tiles, (nsa_plan.MERGE_ROWS, nsa_plan.MERGE_WARPS, nsa_plan.MERGE_STAGES)
-    nsa_plan.key_major = lambda shapes: True
+    patch("key_major", lambda shapes: True)
     result = {}
 
     def kernel_ms(name):
@@ -40,14 +51,14 @@ def sweep(selected, shapes) -> dict:
             return sum(ms for n, ms in kernel_times(selected, calls=5).items() if n.startswith(name))
     for rows, warps, stages in PARTIAL_VARIANTS:
         t = tiles(shapes)
-        nsa_plan.key_major_tiles = lambda s, r=rows, w=warps, st=stages: nsa_plan.NsaTiles(
-            t.group_pad, max(1, r // t.group_pad), t.block_n, w, st)
+        patch("key_major_tiles", lambda s, r=rows, w=warps, st=stages: nsa_plan.NsaTiles(
+            t.group_pad, max(1, r // t.group_pad), t.block_n, w, st))
         result[f"partial rows {rows} warps {warps} stages {stages}"] = kernel_ms("nsa_fwd_partial_kernel")
-    nsa_plan.key_major_tiles = tiles
+    patch("key_major_tiles", tiles)
     for variant in MERGE_VARIANTS:
-        nsa_plan.MERGE_ROWS, nsa_plan.MERGE_WARPS, nsa_plan.MERGE_STAGES = variant
+        patch("MERGE_ROWS", "MERGE_WARPS", "MERGE_STAGES", values=variant)
         result["merge rows {} warps {} stages {}".format(*variant)] = kernel_ms("nsa_fwd_merge_kernel")
-    nsa_plan.MERGE_ROWS, nsa_plan.MERGE_WARPS, nsa_plan.MERGE_STAGES = merge
+    patch("MERGE_ROWS", "MERGE_WARPS", "MERGE_STAGES", values=merge)
     return {k: round(v, 3) for k, v in result.items()}
 
 
@@ -82,7 +93,7 @@ def main():
             row = dict(seqlen=seqlen, group=group, default_key_major=chosen(shapes))
             if args.sweep:
                 row["sweep"] = sweep(selected, shapes)
-                nsa_plan.key_major = chosen
+                patch("key_major", chosen)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 continue
@@ -93,7 +104,7 @@ def main():
             def fwdbwd():
                 return torch.autograd.grad(selected(), leaves, dout)
             for by_key in (False, True):
-                nsa_plan.key_major = lambda shapes, by_key=by_key: by_key
+                patch("key_major", lambda shapes, by_key=by_key: by_key)
                 name = "key_major" if by_key else "query_major"
                 dqs[name] = fwdbwd()[0]
                 row[f"{name}_fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, warmup=5, rep=30, return_mode="median")
@@ -104,7 +115,7 @@ def main():
                         table = kernel_times(selected, calls=3)
                         row["key_major_kernels"] = {n: round(ms, 3) for n, ms in sorted(table.items(),
                                                                                         key=lambda x: -x[1])[:6]}
-            nsa_plan.key_major = chosen
+            patch("key_major", chosen)
             row["max_abs_diff"] = (outs["key_major"].float() - outs["query_major"].float()).abs().max().item()
             row["dq_max_abs_diff"] = (dqs["key_major"].float() - dqs["query_major"].float()).abs().max().item()
             row["speedup"] = row["query_major_ms"] / row["key_major_ms"]
@@ -113,11 +124,11 @@ def main():
                 import jax
 
                 import dualattn.jax_api as dj
-                nsa_plan.key_major = lambda shapes: True
+                patch("key_major", lambda shapes: True)
                 jq, jk, jv, jidx = (jax.dlpack.from_dlpack(t.detach().contiguous()) for t in (q, k, v, idx))
                 jout = dj.apply_native_sparse_attention(jq, jk, jv, jidx, COUNT, BLOCK_SIZE, backend="triton")
                 row["jax_equals_torch"] = bool(torch.equal(torch.from_dlpack(jout), outs["key_major"]))
-                nsa_plan.key_major = chosen
+                patch("key_major", chosen)
             print(json.dumps(row), flush=True)
             rows.append(row)
             del q, k, v, idx, outs, dqs, leaves, dout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from dualattn.kernels.launch import forget_plans
 from dualattn.kernels.nsa import plan as nsa_plan
 
 DKV = "nsa_bwd_dkv_kernel"
@@ -74,6 +75,7 @@ def main():
         grads = {}
         for capped in (True, False):
             nsa_plan.DKV_MAX_REGISTERS = cap if capped else None
+            forget_plans()   # the memoised plans were built with the old one
 
             def jax_selected(q_, k_, v_):
                 return dj.apply_native_sparse_attention(q_, k_, v_, jidx, count, block_size, backend="triton")
@@ -96,6 +98,7 @@ def main():
         jax_same = all(torch.equal(a, b) for a, b in zip(grads[(True, "torch")], grads[(True, "jax")]))
         print(f"group {group}: capped == uncapped gradients (torch) {same}; torch == jax (capped) {jax_same}")
     nsa_plan.DKV_MAX_REGISTERS = cap
+    forget_plans()   # the memoised plans were built with the old one
     from dualattn.jax_api import _compile
     capped = sorted({key[0].__name__ for key in _compile._CACHE if ("maxnreg", cap) in key[-1]})
     print(f"kernels JAX compiled with maxnreg={cap}: {capped}")

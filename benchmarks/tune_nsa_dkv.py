@@ -19,6 +19,7 @@ import sys
 import triton
 
 from dualattn.kernels import compile_check
+from dualattn.kernels.launch import forget_plans
 from dualattn.kernels.nsa import plan as nsa_plan
 
 # (keys per program, rows per step, num_warps, num_stages); None: the plan's own
@@ -61,6 +62,7 @@ def sweep(seqlen, group, plan_tiles, heads_kv=4, head_dim=128):
     rows, ref = [], None
     for variant in VARIANTS:
         nsa_plan.dkv_tiles = tiles_of(variant, plan_tiles)
+        forget_plans()   # the memoised plans were built with the old one
         try:
             grads = fwdbwd()
             torch.cuda.synchronize()
@@ -73,6 +75,7 @@ def sweep(seqlen, group, plan_tiles, heads_kv=4, head_dim=128):
         rows.append(dict(seqlen=seqlen, group=group, variant=variant, fwdbwd_ms=ms, max_dkdv_diff_vs_default=diff))
         print(rows[-1], flush=True)
     nsa_plan.dkv_tiles = plan_tiles
+    forget_plans()   # the memoised plans were built with the old one
     if seqlen == 65536:
         fwdbwd()
         torch.cuda.synchronize()
@@ -90,6 +93,7 @@ def registers(plan_tiles):
     print("# python benchmarks/tune_nsa_dkv.py --registers (variant: keys, rows, warps, stages; None: the plan's)")
     for variant in REGISTER_VARIANTS:
         nsa_plan.dkv_tiles = tiles_of(variant, plan_tiles)
+        forget_plans()   # the memoised plans were built with the old one
         for name, shape in SHAPES.items():
             for arch in (90, 80):
                 launch, dtypes = _launch("bwd-dkv", *shape)
@@ -97,6 +101,7 @@ def registers(plan_tiles):
                 print(f"{str(variant):16s} {name:26s} sm_{arch} keys {launch.constexpr_dict['BLOCK_N']:3d} "
                       f"warps {launch.num_warps} registers {regs} spill stores {spills} bytes", flush=True)
     nsa_plan.dkv_tiles = plan_tiles
+    forget_plans()   # the memoised plans were built with the old one
 
 
 def main(out_path):

@@ -19,6 +19,7 @@ import sys
 
 import triton
 
+from dualattn.kernels.launch import forget_plans
 from dualattn.kernels.nsa import plan as nsa_plan
 
 # (rows per program, pooled blocks per step, num_warps, num_stages); None: the plan's own
@@ -98,6 +99,7 @@ def sweep(seqlen, group, profile_only=False, heads_kv=4, head_dim=128, block_siz
     finite = torch.isfinite(ref_scores)
     for variant in IMPORTANCE_VARIANTS:
         nsa_plan.importance_tiles = importance_of(variant, plan_importance)
+        forget_plans()   # the memoised plans were built with the old one
         try:
             launch, inputs = scores_of()
             scores = _launch.run(launch, inputs)["scores"]
@@ -112,8 +114,10 @@ def sweep(seqlen, group, profile_only=False, heads_kv=4, head_dim=128, block_siz
                          max_score_diff=diff, same_infinities=same_inf, topk_equal_fraction=idx_equal))
         print(rows[-1], flush=True)
     nsa_plan.importance_tiles = plan_importance
+    forget_plans()   # the memoised plans were built with the old one
     for variant in TOPK_VARIANTS:
         nsa_plan.topk_tiles = topk_of(variant, plan_topk)
+        forget_plans()   # the memoised plans were built with the old one
         try:
             idx = top_of(ref_scores)
             torch.cuda.synchronize()
@@ -124,6 +128,7 @@ def sweep(seqlen, group, profile_only=False, heads_kv=4, head_dim=128, block_siz
         rows.append(dict(seqlen=seqlen, group=group, kernel="topk", variant=variant, ms=ms, indices_equal=equal))
         print(rows[-1], flush=True)
     nsa_plan.topk_tiles = plan_topk
+    forget_plans()   # the memoised plans were built with the old one
     return rows
 
 

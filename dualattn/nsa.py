@@ -6,7 +6,9 @@ TypeError, naming the argument and the expected shape, before any kernel runs.
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .kernels.nsa.plan import NsaShapes
 from .validation import (FLOAT_DTYPES, INT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, check_flag,
@@ -166,6 +168,10 @@ def check_native(query, key, value, *, gates: dict, block_indices, block_counts,
     scale = default_scale(d, softmax_scale)
     if cu_values is not None:
         varlen_bounds(cu_values, t)
+        # (The branches' outputs, concatenated per sequence, must cover every row of the gates.)
+        if int(cu_values[-1]) != t:
+            raise ValueError(f"cu_seqlens[-1] must be the {t} packed tokens for native_sparse_attention (every "
+                             f"row in a sequence), got {int(cu_values[-1])}")
     need_selection = gates["g_slc"] is not None or return_block_indices
     count = _check_int("block_counts", block_counts, 1) if block_indices is None and need_selection else None
     if (gates["g_cmp"] is not None or count is not None) and block_size * hq > MAX_GRID_Y:
@@ -218,6 +224,71 @@ def compressed_launches(seqlen: int, block_size: int) -> CompressedLaunches:
     forward (benchmarks/results/2026-11-28_h200_ncu_nsa_g16.log)."""
     n = seqlen // block_size
     return CompressedLaunches(n, n * block_size, seqlen - n * block_size)
+
+
+class PackedCompressed(NamedTuple):
+    """The compressed branch of packed sequences as compressed_launches' three launches, each one varlen
+    call for all the sequences (packed_compressed).  Rows count tokens from the first sequence's start;
+    tables are int32 (sequences + 1,)."""
+
+    body_rows: Optional[np.ndarray]   # the tokens of every sequence's whole blocks, in order (None: all tokens)
+    tail_rows: np.ndarray             # the tokens after each sequence's last whole block
+    order: Optional[np.ndarray]       # each token's row in body_rows + tail_rows (None: no tails)
+    last_rows: np.ndarray             # the last token of every whole block
+    prev_blocks: np.ndarray           # the pooled rows of each sequence's blocks but its last: the folded keys
+    cu_blocks: np.ndarray             # pooled blocks (and folded query rows, and last rows) per sequence
+    cu_prev: np.ndarray               # prev_blocks per sequence
+    cu_tail: np.ndarray               # tail_rows per sequence
+    max_blocks: int
+    max_prev: int
+    max_tail: int
+
+
+def packed_compressed(cu_seqlens_values: Sequence[int], block_size: int) -> PackedCompressed:
+    """The gathers and varlen tables that run the compressed branch of packed sequences (the table's values,
+    starting at 0) as compressed_launches runs one sequence, with one launch each for all of them: the
+    bodies' tokens (gathered where tails sit between them) pooled as one sequence of whole blocks and
+    folded against each sequence's tiled pooled keys but its last; each block's last token against its
+    sequence's pooled keys (causal); the tails against them (not causal).  A launch per sequence took
+    ~0.9 ms of host time each (64 sequences of 1k tokens: 59 ms a forward against 4.5 ms as a batch,
+    benchmarks/host_nsa.py --varlen)."""
+    cu = np.asarray([int(c) for c in cu_seqlens_values], np.int64)
+    lengths = cu[1:] - cu[:-1]
+    blocks = lengths // block_size
+    body, tail = blocks * block_size, lengths - blocks * block_size
+    prev = np.maximum(blocks - 1, 0)
+
+    def table(counts):
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+    def runs(starts, counts) -> np.ndarray:   # concatenated aranges [start, start + count)
+        if counts.sum() == 0:
+            return np.zeros(0, np.int64)
+        return np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+    cu_blocks = table(blocks)
+    body_rows = runs(cu[:-1], body)
+    tail_rows = runs(cu[:-1] + body, tail)
+    tails = tail.sum() > 0
+    order = None
+    if tails:
+        order = np.empty(int(cu[-1] - cu[0]), np.int64)
+        order[np.concatenate([body_rows, tail_rows]) - cu[0]] = np.arange(len(body_rows) + len(tail_rows))
+    # block i of sequence s ends at token cu[s] + (i + 1) * block_size - 1
+    last_rows = (np.repeat(cu[:-1], blocks) + (np.arange(blocks.sum()) - np.repeat(cu_blocks[:-1], blocks) + 1)
+                 * block_size - 1)
+    return PackedCompressed(
+        body_rows=body_rows - cu[0] if tails else None, tail_rows=tail_rows - cu[0], order=order,
+        last_rows=last_rows - cu[0], prev_blocks=runs(cu_blocks[:-1].astype(np.int64), prev),
+        cu_blocks=cu_blocks, cu_prev=table(prev), cu_tail=table(tail), max_blocks=int(blocks.max(initial=0)),
+        max_prev=int(prev.max(initial=0)), max_tail=int(tail.max(initial=0)))
+
+
+def sequence_groups(cu_seqlens_values: Sequence[int], heads_q: int, block_size: int) -> List[Tuple[int, int]]:
+    """[(first, end)] sequence indices of the compressed branch's varlen launches: at most
+    compressed_batch_rows sequences each (a varlen grid holds sequences * folded heads on its y axis)."""
+    n = len(cu_seqlens_values) - 1
+    rows = compressed_batch_rows(heads_q, block_size)
+    return [(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
 def sequences(cu_seqlens_values: Optional[Sequence[int]], total: int) -> list:

@@ -72,13 +72,17 @@ def test_compile_nsa(variant, kernel, arch):
     assert not re.search(r"\b(red|atom)\.global", ptx), "no atomics: every gradient element is written once"
 
 
-@pytest.mark.parametrize("arch, dtype, group, d", [
-    (90, "bfloat16", 16, 128), pytest.param(80, "float16", 2, 128, marks=pytest.mark.slow),
-    pytest.param(90, "float32", 8, 256, marks=pytest.mark.slow), pytest.param(80, "bfloat16", 1, 256,
-                                                                              marks=pytest.mark.slow)])
-def test_compile_nsa_importance(arch, dtype, group, d):
-    launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, d, 64, dtype, d ** -0.5)
-    compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32"), arch=arch)
+@pytest.mark.parametrize("arch, dtype, group, d, packed", [
+    (90, "bfloat16", 16, 128, False), (90, "bfloat16", 4, 128, True),
+    pytest.param(80, "float16", 2, 128, False, marks=pytest.mark.slow),
+    pytest.param(90, "float32", 8, 256, False, marks=pytest.mark.slow),
+    pytest.param(80, "bfloat16", 1, 256, True, marks=pytest.mark.slow)])
+def test_compile_nsa_importance(arch, dtype, group, d, packed):
+    """packed: the varlen variant (8 sequences of at most 8192 tokens, 1024 pooled blocks in all)."""
+    varlen = dict(sequences=8, total=65536, pooled=1024) if packed else {}
+    launch = nsa_plan.plan_importance(1, 8192, 4 * group, 4, d, 64, dtype, d ** -0.5, **varlen)
+    compiled = compile_check.compile_launch(launch, dict(query=dtype, k_cmp=dtype, lse="float32", cu_seqlens="int32",
+                                                         cu_cmp="int32"), arch=arch)
     assert "mma" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= MAX_SHARED[arch]
 

@@ -78,6 +78,34 @@ class Launch:
         return hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
 
 
+# Memoised plan functions (plan_memo) and the launchers' own memos of planned calls (on_forget_plans):
+# forget_plans drops them all, after a rule, tile choice or plan function changes (tests, tuning scripts).
+_PLAN_MEMOS: list = []
+_FORGET_HOOKS: list = []
+
+
+def plan_memo(plan_fn):
+    """A plan function memoised on its (hashable) arguments: plans are pure functions of shapes and
+    options, and building one anew costs tens of microseconds of host time per launch, which counts at
+    short sequences.  Until forget_plans."""
+    cached = functools.lru_cache(maxsize=1024)(plan_fn)
+    _PLAN_MEMOS.append(cached)
+    return cached
+
+
+def forget_plans() -> None:
+    """Drop every memoised plan and what launchers memoise from plans (on_forget_plans)."""
+    for cache in _PLAN_MEMOS:
+        cache.cache_clear()
+    for hook in _FORGET_HOOKS:
+        hook()
+
+
+def on_forget_plans(hook) -> None:
+    """Call `hook()` from forget_plans: for a launcher's own memo of planned calls."""
+    _FORGET_HOOKS.append(hook)
+
+
 def compile_options(launch: Launch) -> dict:
     """The compiler options a launch asks for beyond warps and stages (triton.compile's names)."""
     return {} if launch.max_registers is None else {"maxnreg": launch.max_registers}

@@ -552,8 +552,38 @@ _CHECKED_TABLES: dict = {}
 _CHECKED_TABLES_MAX = 64
 
 
+# Tables made on the host from known values (host_table), by id: a weak reference, the values and the
+# version counter.  They are checked from those values, never read back from the device.
+_HOST_TABLES: dict = {}
+_HOST_TABLES_MAX = 256
+
+
+def host_table(values, device) -> Tensor:
+    """An int32 cu_seqlens table on `device` holding `values` (python ints), which flash_attn_varlen_func
+    checks from the values instead of reading the device copy back (a synchronisation per call: NSA's
+    packed compressed branch makes new tables on every call)."""
+    table = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+    if len(_HOST_TABLES) >= _HOST_TABLES_MAX:
+        _HOST_TABLES.clear()
+    _HOST_TABLES[id(table)] = (weakref.ref(table), [int(v) for v in values],
+                               None if table.is_inference() else table._version)
+    return table
+
+
+def _host_values(table: Tensor):
+    """host_table's values of `table`, or None if it is not one (or was changed in place since)."""
+    seen = _HOST_TABLES.get(id(table))
+    if seen is None or seen[0]() is not table:
+        return None
+    return seen[1] if seen[2] is None or seen[2] == table._version else None
+
+
 def _check_tables(cu_q: Tensor, cu_k: Tensor, shapes) -> None:
     limits = (shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
+    values_q, values_k = _host_values(cu_q), _host_values(cu_k)
+    if values_q is not None and values_k is not None:
+        check_cu_seqlens_values(values_q, values_k, *limits)
+        return
     # Tensors made under torch.inference_mode keep no version counter: read on every call.
     if cu_q.is_inference() or cu_k.is_inference():
         check_cu_seqlens_values(cu_q.tolist(), cu_k.tolist(), *limits)

@@ -22,7 +22,7 @@ from .. import nsa as checks
 from ..kernels.nsa import plan as nsa_plan
 from ..validation import dtype_name
 from . import _launch
-from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func
+from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func, host_table
 
 Tensor = torch.Tensor
 # Tokens per chunk of the top-k: bounds its (tokens, Hkv, blocks) temporaries.
@@ -249,8 +249,14 @@ def apply_native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, blo
     """
     _check_tensors(query=query, key=key, value=value, block_indices=block_indices, block_counts=block_counts,
                    cu_seqlens=cu_seqlens)
+    return _selected(query, key, value, block_indices, block_counts, block_size, softmax_scale, cu_seqlens,
+                     _cu_values(cu_seqlens))
+
+
+def _selected(query, key, value, block_indices, block_counts, block_size, softmax_scale, cu_seqlens, cu_values):
+    """apply_native_sparse_attention after its type checks, with cu_seqlens' values read once by the caller."""
     shapes, count = checks.selected_shapes(query, key, value, block_indices, block_counts, block_size,
-                                           cu_seqlens, _cu_values(cu_seqlens))
+                                           cu_seqlens, cu_values)
     scale = checks.default_scale(shapes.head_dim, softmax_scale)
     counts = None if count is not None else block_counts
     statics = (shapes.block_size, shapes.seqlen, shapes.sequences, scale, count or 0)
@@ -303,11 +309,8 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
                  for i in range(0, b, rows)]
         return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
     n, body, tail = checks.compressed_launches(t, block_size)
-    if n == 0:   # no complete block: no token sees any.  Zeros that autograd links to q, k and v, so
-        # their gradients are zeros (as in JAX), not missing; `where` passes no inf or NaN of theirs.
-        none = torch.zeros((), dtype=torch.bool, device=query.device)
-        linked = sum(torch.where(none, x, 0).sum() for x in (query, key, value))
-        return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype), None, None
+    if n == 0:   # no complete block: no token sees any
+        return _unseen(query, key, value), None, None
     k_cmp, v_cmp = _Pool.apply(key, value, block_size)
     attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, deterministic=deterministic)
     if n > 1:
@@ -325,6 +328,64 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
     last = torch.arange(block_size - 1, body, block_size, device=query.device)
     o_last, lse_last = attend(query[:, block_size - 1:body:block_size], k_cmp, v_cmp, causal=True)
     return _rows_replaced(out, 1, last, o_last), _rows_replaced(lse, 2, last, lse_last), k_cmp
+
+
+def _unseen(query, key, value) -> Tensor:
+    """The compressed output where no token sees a pooled block: zeros that autograd links to q, k and v, so
+    their gradients are zeros (as in JAX), not missing; `where` passes no inf or NaN of theirs."""
+    none = torch.zeros((), dtype=torch.bool, device=query.device)
+    linked = sum(torch.where(none, x, 0).sum() for x in (query, key, value))
+    return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype)
+
+
+def _compressed_packed(query, key, value, cu: list, block_size: int, scale: float, deterministic: bool):
+    """Compressed branch of packed sequences (query (1, T, Hq, D) holding them, cu their table from 0):
+    (out (1, T, Hq, Dv), lse (1, Hq, T) or None, pooled keys (1, blocks, Hkv, D) or None, the pooled
+    blocks' table), as _compressed's launches, each one varlen call for every sequence
+    (nsa.packed_compressed)."""
+    lay = checks.packed_compressed(cu, block_size)
+    device, (t, hq, d), dv = query.device, query.shape[1:], value.shape[-1]
+
+    def rows(a):
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    def table(a):   # (checked from its values: no synchronisation in the varlen flash calls)
+        return host_table(a.tolist(), device)
+    cu_blocks, n = table(lay.cu_blocks), int(lay.cu_blocks[-1])
+    if n == 0:   # no sequence has a whole block
+        return _unseen(query, key, value), None, None, cu_blocks
+    q, k, v = query[0], key[0], value[0]
+    if lay.body_rows is not None:
+        body = rows(lay.body_rows)
+        qb, kb, vb = q[body], k[body], v[body]
+    else:
+        qb, kb, vb = q, k, v
+    k_cmp, v_cmp = _Pool.apply(kb[None], vb[None], block_size)
+    attend = functools.partial(flash_attn_varlen_func, softmax_scale=scale, return_lse=True,
+                               deterministic=deterministic)
+    if lay.max_prev > 0:
+        prev = rows(lay.prev_blocks)
+
+        def tiled(x):   # (prev blocks, bs * H, D): each sequence's pooled blocks but its last, once per phase
+            x = x[0, prev]
+            return x[:, None].expand(x.shape[0], block_size, *x.shape[1:]).reshape(x.shape[0], -1, x.shape[-1])
+        out, lse = attend(qb.reshape(n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp), cu_blocks,
+                          table(lay.cu_prev), lay.max_blocks, lay.max_prev, causal=True)
+        out = out.reshape(n * block_size, hq, dv)
+        lse = lse.view(block_size, hq, n).permute(1, 2, 0).reshape(hq, n * block_size)
+    else:   # one block a sequence at most: only its last token sees it
+        out = query.new_zeros(n * block_size, hq, dv)
+        lse = torch.full((hq, n * block_size), float("-inf"), device=device)
+    if lay.order is not None:
+        tail, order = rows(lay.tail_rows), rows(lay.order)
+        o_tail, lse_tail = attend(q[tail], k_cmp[0], v_cmp[0], table(lay.cu_tail), cu_blocks, lay.max_tail,
+                                  lay.max_blocks)
+        out, lse = torch.cat([out, o_tail])[order], torch.cat([lse, lse_tail], 1)[:, order]
+    last = rows(lay.last_rows)
+    o_last, lse_last = attend(q[last], k_cmp[0], v_cmp[0], cu_blocks, cu_blocks, lay.max_blocks, lay.max_blocks,
+                              causal=True)
+    out, lse = _rows_replaced(out, 0, last, o_last), _rows_replaced(lse, 1, last, lse_last)
+    return out[None], lse[None], k_cmp, cu_blocks
 
 
 def _rows_replaced(x: Tensor, dim: int, index: Tensor, rows: Tensor) -> Tensor:
@@ -350,19 +411,28 @@ def top_k_lowest_ties(score: Tensor, k: int) -> Tensor:
 
 
 def _top_blocks_impl(query: Tensor, k_cmp: Optional[Tensor], lse: Optional[Tensor], heads_kv: int, block_size: int,
-                     count: int, softmax_scale: float) -> Tensor:
+                     count: int, softmax_scale: float, cu_seqlens: Optional[Tensor] = None,
+                     cu_blocks: Optional[Tensor] = None, longest: int = 0) -> Tensor:
     """Per token and KV group: the own block first, then the blocks of highest compressed probability
     summed over the group's heads (kernels/nsa/importance.py), ties to the lower index; -1 where fewer
-    blocks exist.  int32 (B, T, Hkv, count)."""
+    blocks exist.  int32 (B, T, Hkv, count).  Packed sequences: cu_seqlens their table, cu_blocks
+    _compressed_packed's, longest the longest sequence; k_cmp and lse _compressed_packed's."""
     b, t, hq, d = query.shape
     if k_cmp is None:   # no complete block: only the own blocks have a score
         k_cmp = query.new_zeros(b, 1, heads_kv, d)
         lse = torch.full((b, hq, t), float("-inf"), device=query.device)
-    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, dtype_name(query), softmax_scale)
+    if cu_seqlens is None:
+        launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, dtype_name(query), softmax_scale)
+        causal_rows = (t, heads_kv, block_size)
+    else:   # (rows are -inf past their own block, but their token's position is not the row's: full rows)
+        launch = nsa_plan.plan_importance(b, longest, hq, heads_kv, d, block_size, dtype_name(query), softmax_scale,
+                                          sequences=cu_seqlens.shape[0] - 1, total=t, pooled=k_cmp.shape[1])
+        causal_rows = None
     scores = _launch.run(launch, dict(query=_cpu_upcast(query.contiguous()), k_cmp=_cpu_upcast(k_cmp.contiguous()),
-                                      lse=lse.float().contiguous()))["scores"]
+                                      lse=lse.float().contiguous(), cu_seqlens=cu_seqlens,
+                                      cu_cmp=cu_blocks))["scores"]
     n_blocks = scores.shape[-1]
-    topk = nsa_plan.plan_topk(b * t * heads_kv, n_blocks, count, (t, heads_kv, block_size))
+    topk = nsa_plan.plan_topk(b * t * heads_kv, n_blocks, count, causal_rows)
     if topk is not None:
         return _launch.run(topk, dict(scores=scores))["indices"].view(b, t, heads_kv, count)
     take = min(count, n_blocks)
@@ -379,14 +449,29 @@ nsa_top_blocks = _op("nsa_top_blocks", _top_blocks_impl)
 
 
 @nsa_top_blocks.register_fake
-def _(query, k_cmp, lse, heads_kv, block_size, count, softmax_scale):
+def _(query, k_cmp, lse, heads_kv, block_size, count, softmax_scale, cu_seqlens=None, cu_blocks=None, longest=0):
     return query.new_empty((*query.shape[:2], heads_kv, count), dtype=torch.int32)
 
 
 @torch.no_grad()
-def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float) -> Tensor:
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float, cu_seqlens=None,
+                cu_blocks=None, longest: int = 0) -> Tensor:
     """The chosen blocks (_top_blocks_impl); not differentiated."""
-    return _call(nsa_top_blocks, _top_blocks_impl, query, k_cmp, lse, heads_kv, block_size, count, scale)
+    return _call(nsa_top_blocks, _top_blocks_impl, query, k_cmp, lse, heads_kv, block_size, count, scale,
+                 cu_seqlens, cu_blocks, longest)
+
+
+def _compressed_parts(cu_values: Optional[list], total: int, heads_q: int, block_size: int) -> list:
+    """[(lo, hi, table)] token ranges of the compressed branch's calls: the whole axis (table None) without
+    varlen or for one sequence; else groups of packed sequences (nsa.sequence_groups), each with its
+    table counted from lo."""
+    if cu_values is None or len(cu_values) == 2:
+        return [(0, total, None)] if cu_values is None else [(cu_values[0], cu_values[1], None)]
+    parts = []
+    for first, end in checks.sequence_groups(cu_values, heads_q, block_size):
+        lo = cu_values[first]
+        parts.append((lo, cu_values[end], [c - lo for c in cu_values[first:end + 1]]))
+    return parts
 
 
 def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Optional[Tensor] = None,
@@ -425,19 +510,24 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
-        for lo, hi in checks.sequences(cu_values, t):
-            o, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale,
-                                        deterministic)
+        for lo, hi, cu in _compressed_parts(cu_values, t, query.shape[2], block_size):
+            part = query[:, lo:hi], key[:, lo:hi], value[:, lo:hi]
+            if cu is None:
+                o, lse, k_cmp = _compressed(*part, block_size, scale, deterministic)
+                cu_seqs = cu_blocks = None
+            else:
+                o, lse, k_cmp, cu_blocks = _compressed_packed(*part, cu, block_size, scale, deterministic)
+                cu_seqs = host_table(cu, query.device)
             outs.append(o)
             if block_indices is None and need_selection:
-                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale))
+                chosen.append(_top_blocks(part[0], k_cmp, lse, hkv, block_size, count, scale, cu_seqs, cu_blocks,
+                                          max(b - a for a, b in zip(cu[:-1], cu[1:])) if cu else 0))
         if g_cmp is not None:
             o_cmp = _cat(outs, 1)
         if chosen:
             block_indices = _cat(chosen, 1)
     if g_slc is not None:
-        o_slc = apply_native_sparse_attention(query, key, value, block_indices, block_counts, block_size, scale,
-                                              cu_seqlens)
+        o_slc = _selected(query, key, value, block_indices, block_counts, block_size, scale, cu_seqlens, cu_values)
     if g_swa is not None:   # (check_native: a sliding gate comes with a window)
         if cu_seqlens is None:
             o_swa = flash_attention(query, key, value, causal=True, sliding_window=(window_size, 0),

@@ -109,6 +109,21 @@ def test_torch_jax_parity(rng, monkeypatch, by_key):
     np.testing.assert_array_equal(np.asarray(out_j), out_t.numpy())
 
 
+def test_torch_jax_parity_packed_sequences(rng):
+    """Packed sequences: torch runs each compressed launch once for all of them (nsa.packed_compressed), JAX
+    once per sequence; the interpreted kernels give both the same blocks and outputs, bit for bit."""
+    cu = np.array([0, 10, 42, 58, 58, 80, 128], np.int32)
+    q, k, v, _, _ = _inputs(rng, 128, 4, 2, 16, 2, 16)
+    gates = [rng.random((1, 128, 4)).astype(np.float32) for _ in range(3)]
+    opts = dict(block_counts=2, block_size=16, window_size=10, return_block_indices=True)
+    out_j, used_j = jax_api.native_sparse_attention(*map(jnp.asarray, (q, k, v, *gates)), cu_seqlens=jnp.asarray(cu),
+                                                    backend="triton", **opts)
+    out_t, used_t = torch_api.native_sparse_attention(*map(torch.from_numpy, (q, k, v, *gates)),
+                                                      cu_seqlens=torch.from_numpy(cu), **opts)
+    np.testing.assert_array_equal(np.asarray(used_j), used_t.numpy())
+    np.testing.assert_array_equal(np.asarray(out_j), out_t.numpy())
+
+
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_torch_jax_gradient_parity(rng, monkeypatch, chunk):
     """Both front ends build the inverted index and its chunk table (torch.sort / lax.sort) and run

@@ -499,12 +499,13 @@ def test_gpu_blocksparse_on_the_gluon_kernels_is_the_same_in_both(monkeypatch, c
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", [4, 16])
-def test_gpu_native_sparse_attention_is_the_same_in_both(group):
+@pytest.mark.parametrize("group, packed", [(4, False), (16, False), (4, True)])
+def test_gpu_native_sparse_attention_is_the_same_in_both(group, packed):
     """NSA through both front ends on torch's buffers (bf16, 1000 tokens: a tail after the last whole block):
     the chosen blocks, the output and the gates' gradients bitwise equal; q, k, v's gradients sum three
     branches' parts, which each framework's autodiff adds in its own order, so those agree to bf16 rounding.
-    deterministic=True: the flash backwards add no atomics."""
+    deterministic=True: the flash backwards add no atomics.  packed: three packed sequences, which torch
+    runs through the varlen flash kernels in one launch each (nsa.packed_compressed) and JAX per sequence."""
     gen = torch.Generator(device="cuda").manual_seed(group)
     seqlen, heads_kv, head_dim = 1000, 2, 128
     heads_q = heads_kv * group
@@ -517,8 +518,12 @@ def test_gpu_native_sparse_attention_is_the_same_in_both(group):
     inputs += [rand(1, seqlen, heads_q, uniform=True) for _ in range(3)]
     dout = rand(1, seqlen, heads_q, head_dim)
     opts = dict(block_counts=8, block_size=64, window_size=128, deterministic=True)
+    cu = [0, 40, 300, 1000] if packed else None
     leaves = [x.detach().requires_grad_() for x in inputs]
-    t_out, t_idx = dt.native_sparse_attention(*leaves, return_block_indices=True, **opts)
+    t_out, t_idx = dt.native_sparse_attention(*leaves, return_block_indices=True, **opts, cu_seqlens=None if cu is None
+                                              else torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    if cu is not None:   # (a constant of the jitted functions: JAX's compressed branch reads its values)
+        opts["cu_seqlens"] = np.asarray(cu, np.int32)
     t_grads = torch.autograd.grad(t_out, leaves, dout)
     as_jax = [jax.dlpack.from_dlpack(x) for x in inputs]
     j_idx = jax.jit(lambda *a: dj.native_sparse_attention(*a, backend="triton", return_block_indices=True,

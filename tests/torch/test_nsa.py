@@ -6,10 +6,13 @@ per-token counts; sequence lengths are not multiples of the block size.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from dualattn import nsa as nsa_checks  # noqa: E402
 from dualattn.kernels.nsa import plan as nsa_plan  # noqa: E402
 from dualattn.torch_api import apply_native_sparse_attention, native_sparse_attention  # noqa: E402
 from nsa_reference import reference_nsa, reference_selected, reference_topk  # noqa: E402
@@ -308,6 +311,27 @@ def test_native_sparse_attention_varlen(torch_gen):
               cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("groups_of", [None, 2])
+def test_native_sparse_attention_many_sequences(torch_gen, monkeypatch, groups_of):
+    """Packed sequences run the compressed branch and the selection as one varlen call each
+    (nsa.packed_compressed): sequences shorter than a block, of whole blocks only, of one block and a
+    tail, an empty one; with groups_of, the launches cut into groups of two sequences
+    (nsa.sequence_groups).  Forward, chosen blocks and gradients against the reference."""
+    if groups_of is not None:
+        monkeypatch.setattr(nsa_checks, "compressed_batch_rows", lambda heads_q, block_size: groups_of)
+    cu = torch.tensor([0, 10, 42, 58, 58, 80, 128], dtype=torch.int32)
+    q, k, v = qkv(torch_gen, 1, 128, 2, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 1, 128, 2), FP32_TOL, block_counts=2, block_size=16, window_size=10,
+              cu_seqlens=cu)
+
+
+def test_native_sparse_attention_packed_sequences_without_blocks(torch_gen):
+    """No sequence holds a whole block: the compressed branch gives zeros, each token selects its own block."""
+    cu = torch.tensor([0, 10, 25, 40], dtype=torch.int32)
+    q, k, v = qkv(torch_gen, 1, 40, 2, 1, 16)
+    check_nsa(q, k, v, _gates(torch_gen, 1, 40, 2, "cs"), FP32_TOL, block_counts=2, block_size=16, cu_seqlens=cu)
+
+
 def test_top_k_ties_go_to_the_lower_block(torch_gen):
     """Zero queries give equal compressed probabilities: the own block, then the lowest blocks."""
     q = torch.zeros(1, 80, 2, 16)
@@ -363,6 +387,9 @@ def test_bad_gates(torch_gen):
         native_sparse_attention(q, k, v, g_swa=torch.ones(1, 32, 2), block_size=16)
     with pytest.raises(TypeError, match="deterministic"):
         native_sparse_attention(q, k, v, g_cmp=torch.ones(1, 32, 2), block_size=16, deterministic="yes")
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must be the 32 packed tokens"):
+        native_sparse_attention(q, k, v, g_cmp=torch.ones(1, 32, 2), block_size=16,
+                                cu_seqlens=torch.tensor([0, 16, 30], dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -475,6 +502,38 @@ def test_native_sparse_attention_gpu(torch_gen, group, dtype, seqlen):
                           torch.autograd.grad(out, (q, k, v, *gates), dout),
                           torch.autograd.grad(ref, leaves, dout.double().cpu())):
         assert_close_rel(g, r, tol, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [4, 16])
+def test_native_sparse_attention_many_sequences_gpu(torch_gen, group):
+    """Packed sequences on the varlen flash kernels and the varlen importance kernel (nsa.packed_compressed):
+    one shorter than a block, one of exactly one block, tails; bf16, against the reference on the blocks
+    chosen, forward and gradients."""
+    cu = torch.tensor([0, 40, 300, 812, 876, 1536], dtype=torch.int32, device="cuda")
+    seqlen, dtype = 1536, torch.bfloat16
+    q, k, v = [x.detach().to("cuda", dtype).requires_grad_() for x in qkv(torch_gen, 1, seqlen, 4 * group, 4, 128)]
+    gates = [g.detach().to("cuda", dtype).requires_grad_() for g in _gates(torch_gen, 1, seqlen, 4 * group)]
+    opts = dict(block_counts=8, block_size=64, window_size=128, cu_seqlens=cu)
+    out, used = native_sparse_attention(q, k, v, *gates, return_block_indices=True, **opts)
+    # One host synchronisation a call, reading cu_seqlens: the tables made from its values are checked
+    # from those values (flash.host_table), not read back.
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            native_sparse_attention(q, k, v, *gates, **opts)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, *gates)]
+    ref, _ = reference_nsa(*leaves[:3], *leaves[3:], block_indices=used.cpu(), **dict(opts, cu_seqlens=cu.cpu()))
+    assert_close_rel(out, ref, HALF_TOL[dtype], "out")
+    dout = torch.randn_like(out)
+    for name, g, r in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_swa"),
+                          torch.autograd.grad(out, (q, k, v, *gates), dout),
+                          torch.autograd.grad(ref, leaves, dout.double().cpu())):
+        assert_close_rel(g, r, HALF_TOL[dtype], name)
 
 
 @pytest.mark.gpu

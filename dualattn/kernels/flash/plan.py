@@ -18,7 +18,9 @@ from typing import Dict, Optional, Tuple
 from ... import switches
 from ...options import FlashOptions, dropout_threshold
 from ...validation import FlashShapes
-from ..launch import Launch, Output, as_int32, cdiv, next_pow2, row_major_strides as _contiguous
+# (forget_plans and on_forget_plans: re-exported, the name tests and tuning scripts use.)
+from ..launch import Launch, Output, as_int32, cdiv, forget_plans, next_pow2, on_forget_plans, plan_memo  # noqa: F401
+from ..launch import row_major_strides as _contiguous
 from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILES, GLUON_FWD_WARPS, ONE_PASS_ENV,  # noqa: F401
                      ONE_PASS_TILES, ONE_PASS_WARPS, PERSISTENT_ENV, WS_BAND_ENV, WS_DKDV_BANDED_OR_PERSISTENT_TILES,
                      WS_DKDV_TILES, WS_DQ_TILES, WS_EDGES_TILE, WS_TILE, _use_tma, _warp_specializable, edges_in_loop,
@@ -202,26 +204,6 @@ def out_shape(shapes: FlashShapes):
     return (shapes.batch, shapes.seqlen_q, shapes.heads_q, shapes.head_dim_v)
 
 
-_PLAN_CACHES = []
-
-
-_FORGET_HOOKS = []
-
-
-def forget_plans() -> None:
-    """Drop every memoised plan (after changing one of this module's rule constants, e.g. in tests),
-    and what launchers memoise from plans (on_forget_plans)."""
-    for cache in _PLAN_CACHES:
-        cache.cache_clear()
-    for hook in _FORGET_HOOKS:
-        hook()
-
-
-def on_forget_plans(hook) -> None:
-    """Call `hook()` from forget_plans: for a launcher's own memo of planned calls."""
-    _FORGET_HOOKS.append(hook)
-
-
 # The open recordings, innermost last.  Process-wide, not per thread: torch runs a CUDA backward on its
 # autograd engine's own thread.  One thread records at a time (_RECORDER, held through the block), so that
 # two tuners never see each other's plans; plans of other threads' calls may still land in a recording,
@@ -262,7 +244,7 @@ def used(planned):
 def _memoised(plan_fn):
     """Plans are pure functions of hashable descriptions: build each one once per process.
     (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
-    cached = functools.lru_cache(maxsize=1024)(
+    cached = plan_memo(
         lambda shapes, options, strides, config, diag_shift, sparse, flags: plan_fn(
             shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse, **dict(flags)))
 
@@ -272,7 +254,6 @@ def _memoised(plan_fn):
         # (The switches the plans read are part of the key.)
         flags["env"] = switches.current()
         return used(cached(shapes, options, frozen, config, int(diag_shift), sparse, tuple(sorted(flags.items()))))
-    _PLAN_CACHES.append(cached)
     return plan
 
 

@@ -9,6 +9,9 @@ with kc_c the pooled key of block c (visible to t iff (c + 1) * block_size - 1 <
 compressed branch's (natural log, (B, Hq, T)).  Fused: the (T, Hq, blocks) probabilities never
 reach memory, only the (T, Hkv, blocks) sums.  The rows are the selected-branch kernels' (a
 program owns a KV group's heads for TOKENS tokens), so the group sum is a reduction over a tile axis.
+IS_VARLEN: packed sequences (B = 1; grid axis 1 = sequence * Hkv), t counted from each sequence's
+start (CU_SEQLENS), its pooled keys from row CU_CMP[sequence] of K_CMP; rows past the sequence's
+blocks are -inf.
 """
 import triton
 import triton.language as tl
@@ -17,39 +20,49 @@ from ..flash.rules import LOG2E, reduce_max
 from .selected import group_rows, head_base, program_rows
 
 IMPORTANCE_INTS = ["stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_lb",
-                   "stride_lh", "stride_ls", "stride_sb", "stride_ss", "stride_sh", "seqlen", "num_heads_kv",
-                   "num_cmp", "num_blocks"]
+                   "stride_lh", "stride_ls", "stride_sb", "stride_ss", "stride_sh", "seqlen", "total", "num_heads_kv",
+                   "num_blocks"]
 
 
 @triton.jit(do_not_specialize=IMPORTANCE_INTS)
 def nsa_importance_kernel(
-    Q, K_CMP, LSE,
+    Q, K_CMP, LSE, CU_SEQLENS, CU_CMP,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh, stride_ls,
-    stride_sb, stride_ss, stride_sh, seqlen, num_heads_kv, num_cmp, num_blocks, sm_scale,
+    stride_sb, stride_ss, stride_sh, seqlen, total, num_heads_kv, num_blocks, sm_scale,
     SCORES,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     b, h_kv, start, seq_len, t0, t_rows, h_rows, row_ok = program_rows(
-        Q, seqlen, 0, num_heads_kv, TOKENS, GROUP, GROUP_PAD, False)
+        CU_SEQLENS, seqlen, total, num_heads_kv, TOKENS, GROUP, GROUP_PAD, IS_VARLEN)
+    if IS_VARLEN:   # the sequence's pooled keys start at its row of the pooled blocks' table
+        cmp_start = tl.load(CU_CMP + tl.program_id(1) // num_heads_kv).to(tl.int64)
+    else:
+        cmp_start = start
+    num_cmp = seq_len // BLOCK_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     q_offs, q_mask = group_rows(b, start, t_rows, h_rows, row_ok, stride_qb, stride_qs, stride_qh, HEAD_DIM, BLOCK_D)
     q = tl.load(Q + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-    lse = tl.load(LSE + b * stride_lb + h_rows * stride_lh + t_rows * stride_ls, mask=row_ok, other=float("-inf"))
+    lse = tl.load(LSE + b * stride_lb + h_rows * stride_lh + (start + t_rows) * stride_ls, mask=row_ok,
+                  other=float("-inf"))
     # +inf for a padded row and for one that sees no pooled block yet (lse -inf): exp2(s - inf) = 0,
     # so such rows add nothing to the group sums without a mask.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    K_HEAD = head_base(K_CMP, b, start, h_kv, stride_kb, stride_ks, stride_kh)
+    K_HEAD = head_base(K_CMP, b, cmp_start, h_kv, stride_kb, stride_ks, stride_kh)
     t_tok = t0 + tl.arange(0, TOKENS)
     own = (t_tok // BLOCK_SIZE)[:, None]
     tok_ok = (t_tok < seq_len)[:, None]
-    S_ROWS = SCORES + b * stride_sb + t_tok[:, None] * stride_ss + h_kv * stride_sh
+    S_ROWS = SCORES + b * stride_sb + (start + t_tok)[:, None] * stride_ss + h_kv * stride_sh
     qk_scale = sm_scale * LOG2E
     # Three ranges of pooled blocks: whole tiles before every row's own block (visible to all: no
     # mask, so the loop pipelines), the tiles up to the last row's own block (visibility, +inf for
     # the own block, -inf after it), and the rest of the row (-inf, no scores to compute).
-    c_open = (t0 // BLOCK_SIZE) // BLOCK_C * BLOCK_C
-    c_end = (tl.minimum(t0 + TOKENS, seq_len) - 1) // BLOCK_SIZE + 1
+    # (Varlen: a program past a shorter sequence's end runs no loop.)
+    live = t0 < seq_len
+    c_open = tl.where(live, (t0 // BLOCK_SIZE) // BLOCK_C * BLOCK_C, 0)
+    c_end = tl.where(live, (tl.minimum(t0 + TOKENS, seq_len) - 1) // BLOCK_SIZE + 1, 0)
+    c_rest = tl.where(live, (c_end + BLOCK_C - 1) // BLOCK_C * BLOCK_C, num_blocks)
     for c0 in tl.range(0, c_open, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
         kc = tl.load(K_HEAD + offs_c[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM,
@@ -65,7 +78,7 @@ def nsa_importance_kernel(
         imp = group_sum(tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0), TOKENS, GROUP_PAD, BLOCK_C)
         imp = tl.where(offs_c[None, :] == own, float("inf"), tl.where(offs_c[None, :] > own, float("-inf"), imp))
         tl.store(S_ROWS + offs_c[None, :], imp, mask=tok_ok & (offs_c[None, :] < num_blocks))
-    for c0 in tl.range((c_end + BLOCK_C - 1) // BLOCK_C * BLOCK_C, num_blocks, BLOCK_C, num_stages=1):
+    for c0 in tl.range(c_rest, num_blocks, BLOCK_C, num_stages=1):
         offs_c = c0 + tl.arange(0, BLOCK_C)
         tl.store(S_ROWS + offs_c[None, :], tl.full([TOKENS, BLOCK_C], float("-inf"), tl.float32),
                  mask=tok_ok & (offs_c[None, :] < num_blocks))

@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple, Union
 
-from ..launch import Launch, Output, cdiv, next_pow2, row_major_strides
+from ..launch import Launch, Output, cdiv, next_pow2, plan_memo, row_major_strides
 
 TENSOR_CORE_ROWS = 16
 # Rows of a dK / dV step: TOKENS_KV tokens * GROUP_PAD heads.  32: with 64 rows, 16-bit D = 128 programs
@@ -274,6 +274,7 @@ def lse_shape(shapes: NsaShapes) -> Tuple[int, int, int]:
     return (batch, rows, shapes.heads_q)
 
 
+@plan_memo
 def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int, scan: Optional[bool] = None,
                  by_key: Optional[bool] = None) -> Union[Launch, KeyMajorForward]:
     """The query-major launch, or with `by_key` (None: key_major decides) the key-major launches.
@@ -503,6 +504,7 @@ class BackwardPlan:
         return (self.dq, self.dkdv) if self.prepare else (self.dkdv,)
 
 
+@plan_memo
 def plan_backward(shapes: NsaShapes, softmax_scale: float, block_count: int, scan: Optional[bool] = None,
                   by_key: Optional[bool] = None) -> BackwardPlan:
     """Query-major, dq outputs dq (like query), delta (fp32, like lse) and selection_keys (int32, like
@@ -586,6 +588,7 @@ def importance_tiles(shapes: NsaShapes) -> ImportanceTiles:
 POOL_STEP_ELEMENTS = 8192
 
 
+@plan_memo
 def plan_pool(batch: int, seqlen: int, heads_kv: int, head_dim: int, head_dim_v: int, block_size: int) -> Launch:
     """The compressed branch's pooled keys and values (pool.py): inputs key (B, T, Hkv, D) and value
     (B, T, Hkv, Dv), contiguous; outputs k_cmp (B, T // block_size, Hkv, D) and v_cmp alike, in the inputs'
@@ -609,30 +612,41 @@ def plan_pool(batch: int, seqlen: int, heads_kv: int, head_dim: int, head_dim_v:
         num_warps=4, num_stages=1)
 
 
+@plan_memo
 def plan_importance(batch: int, seqlen: int, heads_q: int, heads_kv: int, head_dim: int, block_size: int,
-                    dtype: str, softmax_scale: float) -> Launch:
-    """The top-k scores of one (unpacked) sequence batch (importance.py): inputs query (B, T, Hq, D),
-    k_cmp (B, T // block_size, Hkv, D) and the compressed branch's lse (B, Hq, T) fp32, all contiguous;
-    output scores fp32 (B, T, Hkv, cdiv(T, block_size))."""
+                    dtype: str, softmax_scale: float, sequences: int = 0, total: int = 0,
+                    pooled: int = 0) -> Launch:
+    """The top-k scores (importance.py): inputs query (B, T, Hq, D), k_cmp (B, T // block_size, Hkv, D)
+    and the compressed branch's lse (B, Hq, T) fp32, all contiguous; output scores fp32 (B, T, Hkv,
+    cdiv(T, block_size)).  Varlen (`sequences` > 0): B = 1, `total` packed tokens of sequences of at
+    most `seqlen`, inputs cu_seqlens and cu_cmp (int32, sequences + 1: where each sequence's rows of
+    the `pooled` rows of k_cmp start); query (1, total, Hq, D), lse (1, Hq, total), scores (1, total,
+    Hkv, cdiv(seqlen, block_size))."""
     shapes = NsaShapes(batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                        head_dim_v=head_dim, num_slots=1, block_size=block_size, dtype=dtype, per_token_counts=False)
     t = importance_tiles(shapes)
-    n_cmp, n_blocks = seqlen // block_size, cdiv(seqlen, block_size)
-    strides = (row_major_strides((batch, seqlen, heads_q, head_dim))[:3]
+    rows = total if sequences else seqlen
+    n_cmp = pooled if sequences else seqlen // block_size
+    n_blocks = cdiv(seqlen, block_size)
+    strides = (row_major_strides((batch, rows, heads_q, head_dim))[:3]
                + row_major_strides((batch, max(n_cmp, 1), heads_kv, head_dim))[:3]
-               + row_major_strides((batch, heads_q, seqlen))
-               + row_major_strides((batch, seqlen, heads_kv, n_blocks))[:3])
+               + row_major_strides((batch, heads_q, rows))
+               + row_major_strides((batch, rows, heads_kv, n_blocks))[:3])
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_lb", "stride_lh",
              "stride_ls", "stride_sb", "stride_ss", "stride_sh")
     return Launch(
         module="nsa.importance", kernel="nsa_importance_kernel",
-        grid=(cdiv(seqlen, t.tokens), batch * heads_kv, 1), inputs=("query", "k_cmp", "lse"),
-        scalars=tuple(zip(names, strides)) + (("seqlen", seqlen), ("num_heads_kv", heads_kv), ("num_cmp", n_cmp),
+        grid=(cdiv(seqlen, t.tokens), (sequences or batch) * heads_kv, 1),
+        inputs=("query", "k_cmp", "lse", "cu_seqlens", "cu_cmp"),
+        scalars=tuple(zip(names, strides)) + (("seqlen", seqlen), ("total", total), ("num_heads_kv", heads_kv),
                                               ("num_blocks", n_blocks), ("sm_scale", float(softmax_scale))),
-        outputs=(Output("scores", (batch, seqlen, heads_kv, n_blocks), "float32"),),
+        # (Varlen rows in no sequence are written by no program: -inf, so the top-k chooses nothing there.)
+        outputs=(Output("scores", (batch, rows, heads_kv, n_blocks), "float32", zeroed=sequences > 0,
+                        fill=float("-inf")),),
         constexprs=(("HEAD_DIM", head_dim), ("BLOCK_D", max(16, next_pow2(head_dim))), ("GROUP", heads_q // heads_kv),
                     ("GROUP_PAD", next_pow2(heads_q // heads_kv)), ("TOKENS", t.tokens), ("BLOCK_SIZE", block_size),
-                    ("BLOCK_C", t.block_c), ("DOT_PRECISION", "tf32x3" if dtype == "float32" else "tf32")),
+                    ("BLOCK_C", t.block_c), ("DOT_PRECISION", "tf32x3" if dtype == "float32" else "tf32"),
+                    ("IS_VARLEN", sequences > 0)),
         num_warps=t.num_warps, num_stages=t.num_stages)
 
 
@@ -650,6 +664,7 @@ def topk_tiles(block_nb: int) -> Tuple[int, int]:
     return max(1, min(4, 2048 // block_nb)), max(1, block_nb // 2048)
 
 
+@plan_memo
 def plan_topk(rows: int, num_blocks: int, count: int, causal_rows: Optional[Tuple[int, int, int]] = None
               ) -> Optional[Launch]:
     """The selection from the importance scores (importance.nsa_topk_kernel): input scores fp32
@@ -683,6 +698,7 @@ def _gate_common(rows: int, head_dim: int, branches: int) -> Tuple[tuple, tuple]
                                ("BRANCHES", branches))
 
 
+@plan_memo
 def plan_gates(rows: int, head_dim: int, branches: int) -> Launch:
     """NSA's gated sum (gates.nsa_gate_kernel) of `branches` terms: inputs o<i> (rows, head_dim) and g<i>
     (rows,) for i < branches, contiguous; output out (rows, head_dim) in o's dtype."""
@@ -693,6 +709,7 @@ def plan_gates(rows: int, head_dim: int, branches: int) -> Launch:
         outputs=(Output("out", (rows, head_dim), "like:o0"),), constexprs=constexprs, num_warps=4, num_stages=1)
 
 
+@plan_memo
 def plan_gates_backward(rows: int, head_dim: int, branches: int) -> Launch:
     """Backward of plan_gates (gates.nsa_gate_bwd_kernel): input dout (rows, head_dim) beside plan_gates'
     inputs; outputs do<i> like o<i> and dg<i> (rows,) like g<i>, for i < branches."""
