@@ -291,6 +291,20 @@ def sequence_groups(cu_seqlens_values: Sequence[int], heads_q: int, block_size: 
     return [(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
+def compressed_parts(cu_seqlens_values: Optional[Sequence[int]], total: int, heads_q: int,
+                     block_size: int) -> List[Tuple[int, int, Optional[List[int]]]]:
+    """[(lo, hi, table)] token ranges of the compressed branch's calls: the whole axis (table None) without
+    varlen or for one sequence; else groups of packed sequences (sequence_groups), each with its table
+    counted from lo (packed_compressed)."""
+    if cu_seqlens_values is None:
+        return [(0, total, None)]
+    cu = [int(c) for c in cu_seqlens_values]
+    if len(cu) == 2:
+        return [(cu[0], cu[1], None)]
+    return [(cu[first], cu[end], [c - cu[first] for c in cu[first:end + 1]])
+            for first, end in sequence_groups(cu, heads_q, block_size)]
+
+
 def sequences(cu_seqlens_values: Optional[Sequence[int]], total: int) -> list:
     """[(start, end)] of the packed sequences, or the whole axis."""
     if cu_seqlens_values is None:

@@ -221,20 +221,68 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str, 
     return out, lse, k_cmp
 
 
-def _block_scores(query, k_cmp, lse, heads_kv: int, block_size: int, scale: float):
-    """(B, T, Hkv, blocks) top-k scores from the shared kernel (kernels/nsa/importance.py)."""
+def _compressed_packed(query, key, value, cu: list, block_size: int, scale: float, backend: str,
+                       deterministic: bool):
+    """Compressed branch of packed sequences (query (1, T, Hq, D) holding them, cu their table from 0), as
+    the torch front end's _compressed_packed: one varlen launch each for all of them (nsa.packed_compressed).
+    (out (1, T, Hq, Dv), lse (1, Hq, T) or None, pooled keys or None, the pooled blocks' table)."""
+    lay = checks.packed_compressed(cu, block_size)
+    (t, hq, d), dv = query.shape[1:], value.shape[-1]
+    cu_blocks, n = jnp.asarray(lay.cu_blocks), int(lay.cu_blocks[-1])
+    if n == 0:   # no sequence has a whole block
+        return jnp.zeros((*query.shape[:3], dv), query.dtype), None, None, cu_blocks
+    q, k, v = query[0], key[0], value[0]
+    q_body, k_body, v_body = (q, k, v) if lay.body_rows is None else (x[lay.body_rows] for x in (q, k, v))
+    k_cmp, v_cmp = _pool_kernel(k_body[None], v_body[None], block_size, n * block_size)
+    attend = functools.partial(flash_attention_varlen, softmax_scale=scale, return_lse=True, backend=backend,
+                               deterministic=deterministic)
+    if lay.max_prev > 0:
+        def tiled(x):   # (prev blocks, bs * H, D): each sequence's pooled blocks but its last, once per phase
+            x = x[0, lay.prev_blocks]
+            return jnp.broadcast_to(x[:, None], (x.shape[0], block_size, *x.shape[1:])).reshape(x.shape[0], -1,
+                                                                                               x.shape[-1])
+        out, lse = attend(q_body.reshape(n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp), cu_blocks,
+                          jnp.asarray(lay.cu_prev), lay.max_blocks, lay.max_prev, causal=True)
+        out = out.reshape(n * block_size, hq, dv)
+        lse = jnp.transpose(lse.reshape(block_size, hq, n), (1, 2, 0)).reshape(hq, n * block_size)
+    else:   # one block a sequence at most: only its last token sees it
+        out = jnp.zeros((n * block_size, hq, dv), query.dtype)
+        lse = jnp.full((hq, n * block_size), -jnp.inf, jnp.float32)
+    if lay.order is not None:
+        o_tail, lse_tail = attend(q[lay.tail_rows], k_cmp[0], v_cmp[0], jnp.asarray(lay.cu_tail), cu_blocks,
+                                  lay.max_tail, lay.max_blocks)
+        out = jnp.concatenate([out, o_tail])[lay.order]
+        lse = jnp.concatenate([lse, lse_tail], 1)[:, lay.order]
+    o_last, lse_last = attend(q[lay.last_rows], k_cmp[0], v_cmp[0], cu_blocks, cu_blocks, lay.max_blocks,
+                              lay.max_blocks, causal=True)
+    out, lse = out.at[lay.last_rows].set(o_last), lse.at[:, lay.last_rows].set(lse_last)
+    return out[None], lse[None], k_cmp, cu_blocks
+
+
+def _block_scores(query, k_cmp, lse, heads_kv: int, block_size: int, scale: float, cu=None, cu_blocks=None):
+    """(B, T, Hkv, blocks) top-k scores from the shared kernel (kernels/nsa/importance.py); packed sequences:
+    cu their table's values, cu_blocks _compressed_packed's."""
     b, t, hq, d = query.shape
     if k_cmp is None:   # no complete block: only the own blocks have a score
         k_cmp = jnp.zeros((b, 1, heads_kv, d), query.dtype)
         lse = jnp.full((b, hq, t), -jnp.inf, jnp.float32)
-    launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype), scale)
-    return _launch.run(launch, dict(query=query, k_cmp=k_cmp, lse=lse.astype(jnp.float32)))["scores"]
+    arrays = dict(query=query, k_cmp=k_cmp, lse=lse.astype(jnp.float32))
+    if cu is None:
+        launch = nsa_plan.plan_importance(b, t, hq, heads_kv, d, block_size, str(query.dtype), scale)
+    else:
+        longest = max(hi - lo for lo, hi in zip(cu[:-1], cu[1:]))
+        launch = nsa_plan.plan_importance(b, longest, hq, heads_kv, d, block_size, str(query.dtype), scale,
+                                          sequences=len(cu) - 1, total=t, pooled=k_cmp.shape[1])
+        arrays.update(cu_seqlens=jnp.asarray(cu, jnp.int32), cu_cmp=cu_blocks)
+    return _launch.run(launch, arrays)["scores"]
 
 
-def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float, backend: str):
+def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, scale: float, backend: str,
+                cu=None, cu_blocks=None):
     """As the torch front end's: own block first, then the highest summed probabilities, ties to the
     lower index (lax.top_k's order); -1 where fewer blocks exist.  Not differentiated.  The scores come
-    from the shared kernel (triton) or from jnp (xla)."""
+    from the shared kernel (triton) or from jnp (xla).  Packed sequences (triton): cu and cu_blocks as
+    _block_scores takes them."""
     query, k_cmp, lse = jax.lax.stop_gradient((query, k_cmp, lse))
     b, t, hq, d = query.shape
     hkv = heads_kv
@@ -242,8 +290,10 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
     n_blocks = -(-t // block_size)
     take = min(count, n_blocks)
     if backend == "triton":
-        scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale)
-        topk = nsa_plan.plan_topk(b * t * hkv, n_blocks, count, (t, hkv, block_size))
+        scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale, cu, cu_blocks)
+        n_blocks = scores.shape[-1]
+        take = min(count, n_blocks)
+        topk = nsa_plan.plan_topk(b * t * hkv, n_blocks, count, None if cu is not None else (t, hkv, block_size))
         if topk is not None:
             return _launch.run(topk, dict(scores=scores))["indices"].reshape(b, t, hkv, count)
         chosen = []
@@ -285,8 +335,9 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     (dualattn.torch_api.native_sparse_attention, deterministic= included), plus backend "triton", "xla" or
     "auto".
 
-    With cu_seqlens, the compressed branch and the selection run per sequence, so they need the
-    table's values (a concrete array, not a traced one); the selected and sliding branches take it traced.
+    With cu_seqlens, the compressed branch and the selection are laid out from the table's values (triton:
+    one varlen launch each for all the sequences, nsa.packed_compressed; xla: per sequence), so they need a
+    concrete array, not a traced one; the selected and sliding branches take it traced.
     """
     counts_array = block_counts if hasattr(block_counts, "shape") and len(block_counts.shape) else None
     check_arrays(query=query, key=key, value=value, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa,
@@ -300,16 +351,23 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     backend = _backend(backend)
     if cu_seqlens is not None and cu_values is None and (g_cmp is not None or block_indices is None):
         raise ValueError("cu_seqlens must be a concrete array (not traced) for the compressed branch and the "
-                         "selection, which run per sequence")
+                         "selection, which are laid out from its values")
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
-        for lo, hi in checks.sequences(cu_values, t):
-            o, lse, k_cmp = _compressed(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], block_size, scale, backend,
-                                        deterministic)
+        # (triton: packed sequences one varlen launch each, as torch; xla: per sequence)
+        parts = (checks.compressed_parts(cu_values, t, query.shape[2], block_size) if backend == "triton"
+                 else [(lo, hi, None) for lo, hi in checks.sequences(cu_values, t)])
+        for lo, hi, cu in parts:
+            part = query[:, lo:hi], key[:, lo:hi], value[:, lo:hi]
+            if cu is None:
+                o, lse, k_cmp = _compressed(*part, block_size, scale, backend, deterministic)
+                cu_blocks = None
+            else:
+                o, lse, k_cmp, cu_blocks = _compressed_packed(*part, cu, block_size, scale, backend, deterministic)
             outs.append(o)
             if block_indices is None and need_selection:
-                chosen.append(_top_blocks(query[:, lo:hi], k_cmp, lse, hkv, block_size, count, scale, backend))
+                chosen.append(_top_blocks(part[0], k_cmp, lse, hkv, block_size, count, scale, backend, cu, cu_blocks))
         if g_cmp is not None:
             o_cmp = jnp.concatenate(outs, axis=1)
         if chosen:

@@ -461,19 +461,6 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
                  cu_seqlens, cu_blocks, longest)
 
 
-def _compressed_parts(cu_values: Optional[list], total: int, heads_q: int, block_size: int) -> list:
-    """[(lo, hi, table)] token ranges of the compressed branch's calls: the whole axis (table None) without
-    varlen or for one sequence; else groups of packed sequences (nsa.sequence_groups), each with its
-    table counted from lo."""
-    if cu_values is None or len(cu_values) == 2:
-        return [(0, total, None)] if cu_values is None else [(cu_values[0], cu_values[1], None)]
-    parts = []
-    for first, end in checks.sequence_groups(cu_values, heads_q, block_size):
-        lo = cu_values[first]
-        parts.append((lo, cu_values[end], [c - lo for c in cu_values[first:end + 1]]))
-    return parts
-
-
 def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Optional[Tensor] = None,
                             g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None,
                             block_indices: Optional[Tensor] = None, block_counts=16, block_size: int = 64,
@@ -510,7 +497,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
-        for lo, hi, cu in _compressed_parts(cu_values, t, query.shape[2], block_size):
+        for lo, hi, cu in checks.compressed_parts(cu_values, t, query.shape[2], block_size):
             part = query[:, lo:hi], key[:, lo:hi], value[:, lo:hi]
             if cu is None:
                 o, lse, k_cmp = _compressed(*part, block_size, scale, deterministic)

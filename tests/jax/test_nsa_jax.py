@@ -77,6 +77,21 @@ def test_native_sparse_attention(rng, backend):
            lambda *a: reference_nsa(*a, **opts)[0], (q, k, v, *gates), rng)
 
 
+def test_native_sparse_attention_many_sequences_triton(rng):
+    """Packed sequences through one varlen launch each (nsa.packed_compressed): one shorter than a block, an
+    empty one, whole blocks only, tails; chosen blocks, output and gradients against the reference."""
+    cu = np.array([0, 10, 42, 58, 58, 80, 128], np.int32)
+    q, k, v, _, _ = _inputs(rng, 128, 2, 1, 16, 2, 16)
+    gates = [rng.random((1, 128, 2)).astype(np.float32) for _ in range(3)]
+    opts = dict(block_counts=2, block_size=16, window_size=10)
+    _, used = jax_api.native_sparse_attention(*map(jnp.asarray, (q, k, v, *gates)), cu_seqlens=jnp.asarray(cu),
+                                              return_block_indices=True, backend="triton", **opts)
+    leaves = [torch.tensor(a, dtype=torch.float64) for a in (q, k, v, *gates)]
+    assert np.array_equal(np.asarray(used), reference_nsa(*leaves, cu_seqlens=cu, **opts)[1].numpy())
+    _check(lambda *a: jax_api.native_sparse_attention(*a, cu_seqlens=jnp.asarray(cu), backend="triton", **opts),
+           lambda *a: reference_nsa(*a, cu_seqlens=cu, **opts)[0], (q, k, v, *gates), rng)
+
+
 @pytest.mark.slow
 def test_native_sparse_attention_varlen_xla(rng):
     cu = np.array([0, 40, 45, 80], np.int32)
@@ -110,8 +125,8 @@ def test_torch_jax_parity(rng, monkeypatch, by_key):
 
 
 def test_torch_jax_parity_packed_sequences(rng):
-    """Packed sequences: torch runs each compressed launch once for all of them (nsa.packed_compressed), JAX
-    once per sequence; the interpreted kernels give both the same blocks and outputs, bit for bit."""
+    """Packed sequences: both front ends run each compressed launch once for all of them
+    (nsa.packed_compressed); the interpreted kernels give both the same blocks and outputs, bit for bit."""
     cu = np.array([0, 10, 42, 58, 58, 80, 128], np.int32)
     q, k, v, _, _ = _inputs(rng, 128, 4, 2, 16, 2, 16)
     gates = [rng.random((1, 128, 4)).astype(np.float32) for _ in range(3)]

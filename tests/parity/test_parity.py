@@ -504,8 +504,8 @@ def test_gpu_native_sparse_attention_is_the_same_in_both(group, packed):
     """NSA through both front ends on torch's buffers (bf16, 1000 tokens: a tail after the last whole block):
     the chosen blocks, the output and the gates' gradients bitwise equal; q, k, v's gradients sum three
     branches' parts, which each framework's autodiff adds in its own order, so those agree to bf16 rounding.
-    deterministic=True: the flash backwards add no atomics.  packed: three packed sequences, which torch
-    runs through the varlen flash kernels in one launch each (nsa.packed_compressed) and JAX per sequence."""
+    deterministic=True: the flash backwards add no atomics.  packed: three packed sequences, which both run
+    through the varlen flash kernels in one launch each (nsa.packed_compressed)."""
     gen = torch.Generator(device="cuda").manual_seed(group)
     seqlen, heads_kv, head_dim = 1000, 2, 128
     heads_q = heads_kv * group
