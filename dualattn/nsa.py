@@ -5,6 +5,7 @@ TypeError, naming the argument and the expected shape, before any kernel runs.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -245,6 +246,12 @@ class PackedCompressed(NamedTuple):
 
 
 def packed_compressed(cu_seqlens_values: Sequence[int], block_size: int) -> PackedCompressed:
+    """_packed_layout (below), memoised: every NSA layer of a step packs the same sequences."""
+    return _packed_layout(tuple(int(c) for c in cu_seqlens_values), int(block_size))
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_layout(cu_seqlens_values: Tuple[int, ...], block_size: int) -> PackedCompressed:
     """The gathers and varlen tables that run the compressed branch of packed sequences (the table's values,
     starting at 0) as compressed_launches runs one sequence, with one launch each for all of them: the
     bodies' tokens (gathered where tails sit between them) pooled as one sequence of whole blocks and

@@ -338,6 +338,21 @@ def _unseen(query, key, value) -> Tensor:
     return linked.expand(*query.shape[:3], value.shape[-1]).to(query.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _packed_rows(cu: Tuple[int, ...], block_size: int, device: torch.device) -> dict:
+    """nsa.packed_compressed's index arrays on `device` (int64) and its tables and cu_seqlens (int32,
+    flash.host_table: checked from their values, so the varlen flash calls do not read them back), made
+    once per table: every NSA layer of a step packs the same sequences.  Never written."""
+    lay = checks.packed_compressed(cu, block_size)
+    arrays = {"cu_seqlens": host_table(list(cu), device)}
+    for name in ("body_rows", "tail_rows", "order", "last_rows", "prev_blocks"):
+        a = getattr(lay, name)
+        arrays[name] = None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
+    for name in ("cu_blocks", "cu_prev", "cu_tail"):
+        arrays[name] = host_table(getattr(lay, name).tolist(), device)
+    return arrays
+
+
 def _compressed_packed(query, key, value, cu: list, block_size: int, scale: float, deterministic: bool):
     """Compressed branch of packed sequences (query (1, T, Hq, D) holding them, cu their table from 0):
     (out (1, T, Hq, Dv), lse (1, Hq, T) or None, pooled keys (1, blocks, Hkv, D) or None, the pooled
@@ -345,18 +360,13 @@ def _compressed_packed(query, key, value, cu: list, block_size: int, scale: floa
     (nsa.packed_compressed)."""
     lay = checks.packed_compressed(cu, block_size)
     device, (t, hq, d), dv = query.device, query.shape[1:], value.shape[-1]
-
-    def rows(a):
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
-    def table(a):   # (checked from its values: no synchronisation in the varlen flash calls)
-        return host_table(a.tolist(), device)
-    cu_blocks, n = table(lay.cu_blocks), int(lay.cu_blocks[-1])
+    rows = _packed_rows(tuple(cu), block_size, device)
+    cu_blocks, n = rows["cu_blocks"], int(lay.cu_blocks[-1])
     if n == 0:   # no sequence has a whole block
         return _unseen(query, key, value), None, None, cu_blocks
     q, k, v = query[0], key[0], value[0]
     if lay.body_rows is not None:
-        body = rows(lay.body_rows)
+        body = rows["body_rows"]
         qb, kb, vb = q[body], k[body], v[body]
     else:
         qb, kb, vb = q, k, v
@@ -364,24 +374,24 @@ def _compressed_packed(query, key, value, cu: list, block_size: int, scale: floa
     attend = functools.partial(flash_attn_varlen_func, softmax_scale=scale, return_lse=True,
                                deterministic=deterministic)
     if lay.max_prev > 0:
-        prev = rows(lay.prev_blocks)
+        prev = rows["prev_blocks"]
 
         def tiled(x):   # (prev blocks, bs * H, D): each sequence's pooled blocks but its last, once per phase
             x = x[0, prev]
             return x[:, None].expand(x.shape[0], block_size, *x.shape[1:]).reshape(x.shape[0], -1, x.shape[-1])
         out, lse = attend(qb.reshape(n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp), cu_blocks,
-                          table(lay.cu_prev), lay.max_blocks, lay.max_prev, causal=True)
+                          rows["cu_prev"], lay.max_blocks, lay.max_prev, causal=True)
         out = out.reshape(n * block_size, hq, dv)
         lse = lse.view(block_size, hq, n).permute(1, 2, 0).reshape(hq, n * block_size)
     else:   # one block a sequence at most: only its last token sees it
         out = query.new_zeros(n * block_size, hq, dv)
         lse = torch.full((hq, n * block_size), float("-inf"), device=device)
     if lay.order is not None:
-        tail, order = rows(lay.tail_rows), rows(lay.order)
-        o_tail, lse_tail = attend(q[tail], k_cmp[0], v_cmp[0], table(lay.cu_tail), cu_blocks, lay.max_tail,
+        tail, order = rows["tail_rows"], rows["order"]
+        o_tail, lse_tail = attend(q[tail], k_cmp[0], v_cmp[0], rows["cu_tail"], cu_blocks, lay.max_tail,
                                   lay.max_blocks)
         out, lse = torch.cat([out, o_tail])[order], torch.cat([lse, lse_tail], 1)[:, order]
-    last = rows(lay.last_rows)
+    last = rows["last_rows"]
     o_last, lse_last = attend(q[last], k_cmp[0], v_cmp[0], cu_blocks, cu_blocks, lay.max_blocks, lay.max_blocks,
                               causal=True)
     out, lse = _rows_replaced(out, 0, last, o_last), _rows_replaced(lse, 1, last, lse_last)
@@ -504,7 +514,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
                 cu_seqs = cu_blocks = None
             else:
                 o, lse, k_cmp, cu_blocks = _compressed_packed(*part, cu, block_size, scale, deterministic)
-                cu_seqs = host_table(cu, query.device)
+                cu_seqs = _packed_rows(tuple(cu), block_size, query.device)["cu_seqlens"]
             outs.append(o)
             if block_indices is None and need_selection:
                 chosen.append(_top_blocks(part[0], k_cmp, lse, hkv, block_size, count, scale, cu_seqs, cu_blocks,
