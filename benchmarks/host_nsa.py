@@ -10,6 +10,9 @@ blocks, window 512, bench_nsa.py's inputs, no gradients).
     python benchmarks/host_nsa.py --varlen [T GROUP SEQUENCES ...]  the forward of SEQUENCES equal
                                                        sequences packed into T tokens (cu_seqlens) against
                                                        the same as a batch of SEQUENCES rows
+    python benchmarks/host_nsa.py --varlen --jax [...]  the same, and JAX's backend "triton" in the same run
+                                                       (jitted, cu_seqlens a constant; back-to-back calls
+                                                       and one wait)
 
 Per (T, group): the host's ms per call (30 back-to-back calls, before the wait), the wall ms per call,
 the device ms per call (torch.profiler, kernels and copies), and the wall ms per replay of one captured
@@ -128,10 +131,10 @@ def measure_train(seqlen: int, group: int, calls: int = 30) -> dict:
     return row
 
 
-def measure_varlen(total: int, group: int, sequences: int, calls: int = 10) -> dict:
-    """The forward of `sequences` equal sequences packed into `total` tokens (varlen: the compressed branch
-    and the selection run per sequence, after reading cu_seqlens on the host) against the same tokens as a
-    batch of `sequences` rows: host and wall ms per call."""
+def measure_varlen(total: int, group: int, sequences: int, calls: int = 10, with_jax: bool = False) -> dict:
+    """The forward of `sequences` equal sequences packed into `total` tokens (cu_seqlens, on the GPU) against
+    the same tokens as a batch of `sequences` rows: host and wall ms per call, and the host synchronisations
+    of a call after the first (which reads the table's values)."""
     gen = torch.Generator().manual_seed(0)
     heads_kv, head_dim = 4, 128
     hq, each = heads_kv * group, total // sequences
@@ -150,24 +153,51 @@ def measure_varlen(total: int, group: int, sequences: int, calls: int = 10) -> d
         packed = dt.native_sparse_attention(q, k, v, *gates, cu_seqlens=cu, **opts)
         batch = dt.native_sparse_attention(*map(batched, (q, k, v, *gates)), **opts)
         row["max_abs_diff"] = (packed.float() - batched(batch).reshape(packed.shape).float()).abs().max().item()
-        # (one expected: the front end reads cu_seqlens on the host)
         row["varlen_host_syncs"] = _host_syncs(lambda: dt.native_sparse_attention(q, k, v, *gates, cu_seqlens=cu,
                                                                                   **opts))
         for name, fn in (("varlen", lambda: dt.native_sparse_attention(q, k, v, *gates, cu_seqlens=cu, **opts)),
                          ("batch", lambda: dt.native_sparse_attention(*map(batched, (q, k, v, *gates)), **opts))):
             row[f"{name}_host_ms"], row[f"{name}_wall_ms"] = _wall_ms(fn, calls)
+    if with_jax:
+        row.update(_jax_varlen_ms(q, k, v, gates, cu, batched, opts, calls))
+    return row
+
+
+def _jax_varlen_ms(q, k, v, gates, cu, batched, opts, calls: int) -> dict:
+    """JAX (backend "triton") on the same buffers: packed against batch, ms a call of back-to-back calls and
+    one wait, and the largest difference from the batch."""
+    import jax
+    import numpy as np
+
+    import dualattn.jax_api as dj
+    as_jax = [jax.dlpack.from_dlpack(x) for x in (q, k, v, *gates)]
+    cu_host = np.asarray(cu.cpu(), np.int32)
+    packed = jax.jit(lambda *a: dj.native_sparse_attention(*a, backend="triton", cu_seqlens=cu_host, **opts))
+    batch = jax.jit(lambda *a: dj.native_sparse_attention(*map(batched, a), backend="triton", **opts))
+    row = {}
+    outs = {}
+    for name, fn in (("jax_varlen", packed), ("jax_batch", batch)):
+        outs[name] = jax.block_until_ready(fn(*as_jax))
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*as_jax)
+        jax.block_until_ready(out)
+        row[f"{name}_wall_ms"] = 1e3 * (time.perf_counter() - start) / calls
+    diff = np.abs(np.asarray(outs["jax_varlen"], np.float32)
+                  - np.asarray(outs["jax_batch"], np.float32).reshape(outs["jax_varlen"].shape)).max()
+    row["jax_max_abs_diff"] = float(diff)
     return row
 
 
 def main(argv):
-    train, varlen = "--train" in argv, "--varlen" in argv
+    train, varlen, with_jax = "--train" in argv, "--varlen" in argv, "--jax" in argv
     numbers = [int(a) for a in argv if not a.startswith("--")]
     print(f"# python benchmarks/host_nsa.py {' '.join(argv)}  ({torch.cuda.get_device_name()}, torch "
           f"{torch.__version__})")
     if varlen:
         numbers = numbers or [65536, 4, 8, 65536, 4, 64]
         for total, group, sequences in zip(numbers[::3], numbers[1::3], numbers[2::3]):
-            print(measure_varlen(total, group, sequences), flush=True)
+            print(measure_varlen(total, group, sequences, with_jax=with_jax), flush=True)
         return
     pairs = numbers or [8192, 4, 8192, 16]
     for seqlen, group in zip(pairs[::2], pairs[1::2]):

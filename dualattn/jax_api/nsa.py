@@ -286,10 +286,7 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
     query, k_cmp, lse = jax.lax.stop_gradient((query, k_cmp, lse))
     b, t, hq, d = query.shape
     hkv = heads_kv
-    n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
-    n_blocks = -(-t // block_size)
-    take = min(count, n_blocks)
-    if backend == "triton":
+    if backend == "triton":   # (packed sequences: a row holds the longest sequence's blocks)
         scores = _block_scores(query, k_cmp, lse, heads_kv, block_size, scale, cu, cu_blocks)
         n_blocks = scores.shape[-1]
         take = min(count, n_blocks)
@@ -301,6 +298,9 @@ def _top_blocks(query, k_cmp, lse, heads_kv: int, block_size: int, count: int, s
             ranked, order = jax.lax.top_k(scores[:, lo:lo + SELECT_CHUNK], take)
             chosen.append(jnp.where(ranked == -jnp.inf, -1, order).astype(jnp.int32))
         return _pad_slots(jnp.concatenate(chosen, axis=1), count)
+    n_cmp = 0 if k_cmp is None else k_cmp.shape[1]
+    n_blocks = -(-t // block_size)
+    take = min(count, n_blocks)
     chosen = []
     for lo in range(0, t, SELECT_CHUNK):
         hi = min(t, lo + SELECT_CHUNK)

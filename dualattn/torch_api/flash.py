@@ -542,60 +542,57 @@ def _capturing(t: Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-# cu_seqlens pairs whose values passed check_cu_seqlens_values, by (ids, totals and maxima): weak
-# references to both tables and their version counters.  Reading a CUDA table on the host synchronises
-# with the GPU, and every attention layer of a packed batch passes the same tables: checked once, a pair
-# is read again only once it changes in place or is freed, so a training step syncs once, not once per
-# layer (a per-call sync cost the docs_varlen benchmark a quarter of its forward speed against jax,
-# which never reads the tables).
-_CHECKED_TABLES: dict = {}
-_CHECKED_TABLES_MAX = 64
+# The host values of cu_seqlens tables, by id: a weak reference whose callback drops the entry when the table
+# is freed, the values, and the version counter they were read at (None: a table made by host_table, which
+# nothing writes).  Reading a CUDA table on the host synchronises with the GPU, and every attention layer of
+# a packed batch passes the same table: read once, a table is read again only once it changes in place
+# (torch ops bump its version counter), so a training step syncs once, not once per layer (a per-call sync
+# cost the docs_varlen benchmark a quarter of its forward speed against jax, which never reads the tables).
+_TABLE_VALUES: dict = {}
 
 
-# Tables made on the host from known values (host_table), by id: a weak reference, the values and the
-# version counter.  They are checked from those values, never read back from the device.
-_HOST_TABLES: dict = {}
-_HOST_TABLES_MAX = 256
+def _remember(table: Tensor, values: tuple, version: Optional[int]) -> None:
+    key = id(table)
+
+    def forget(ref, key=key):
+        if _TABLE_VALUES.get(key, (None,))[0] is ref:
+            del _TABLE_VALUES[key]
+    _TABLE_VALUES[key] = (weakref.ref(table, forget), values, version)
 
 
 def host_table(values, device) -> Tensor:
-    """An int32 cu_seqlens table on `device` holding `values` (python ints), which flash_attn_varlen_func
-    checks from the values instead of reading the device copy back (a synchronisation per call: NSA's
-    packed compressed branch makes new tables on every call)."""
+    """An int32 cu_seqlens table on `device` holding `values` (python ints), whose values table_values
+    knows without reading the device copy back (NSA's packed compressed branch makes its tables on the
+    host)."""
+    values = tuple(int(v) for v in values)
     table = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-    if len(_HOST_TABLES) >= _HOST_TABLES_MAX:
-        _HOST_TABLES.clear()
-    _HOST_TABLES[id(table)] = (weakref.ref(table), [int(v) for v in values],
-                               None if table.is_inference() else table._version)
+    _remember(table, values, None)
     return table
 
 
-def _host_values(table: Tensor):
-    """host_table's values of `table`, or None if it is not one (or was changed in place since)."""
-    seen = _HOST_TABLES.get(id(table))
-    if seen is None or seen[0]() is not table:
-        return None
-    return seen[1] if seen[2] is None or seen[2] == table._version else None
+def table_values(table: Tensor) -> tuple:
+    """The values of an integer table (cu_seqlens) as python ints: read once (from a CUDA tensor, a
+    synchronisation) and then remembered until the table is freed or changed in place.  Tensors made under
+    torch.inference_mode keep no version counter: read on every call."""
+    seen = _TABLE_VALUES.get(id(table))
+    if seen is not None and seen[0]() is table and (seen[2] is None or seen[2] == table._version):
+        return seen[1]
+    values = tuple(table.tolist())
+    if not table.is_inference():
+        _remember(table, values, table._version)
+    return values
+
+
+@functools.lru_cache(maxsize=256)
+def _check_values(values_q: tuple, values_k: tuple, limits: tuple) -> None:
+    """check_cu_seqlens_values once per distinct pair (a failing check raises, and is not cached)."""
+    check_cu_seqlens_values(list(values_q), list(values_k), *limits)
 
 
 def _check_tables(cu_q: Tensor, cu_k: Tensor, shapes) -> None:
     limits = (shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
-    values_q, values_k = _host_values(cu_q), _host_values(cu_k)
-    if values_q is not None and values_k is not None:
-        check_cu_seqlens_values(values_q, values_k, *limits)
-        return
-    # Tensors made under torch.inference_mode keep no version counter: read on every call.
-    if cu_q.is_inference() or cu_k.is_inference():
-        check_cu_seqlens_values(cu_q.tolist(), cu_k.tolist(), *limits)
-        return
-    key, versions = (id(cu_q), id(cu_k), limits), (cu_q._version, cu_k._version)
-    seen = _CHECKED_TABLES.get(key)
-    if seen is not None and seen[0]() is cu_q and seen[1]() is cu_k and seen[2] == versions:
-        return
-    check_cu_seqlens_values(cu_q.tolist(), cu_k.tolist(), *limits)
-    if len(_CHECKED_TABLES) >= _CHECKED_TABLES_MAX:
-        _CHECKED_TABLES.clear()
-    _CHECKED_TABLES[key] = (weakref.ref(cu_q), weakref.ref(cu_k), versions)
+    values_q = table_values(cu_q)
+    _check_values(values_q, values_q if cu_k is cu_q else table_values(cu_k), limits)
 
 
 def _sanitized_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:

@@ -22,7 +22,7 @@ from .. import nsa as checks
 from ..kernels.nsa import plan as nsa_plan
 from ..validation import dtype_name
 from . import _launch
-from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func, host_table
+from .flash import _cpu_upcast, flash_attention, flash_attn_varlen_func, host_table, table_values
 
 Tensor = torch.Tensor
 # Tokens per chunk of the top-k: bounds its (tokens, Hkv, blocks) temporaries.
@@ -218,12 +218,26 @@ def _check_tensors(**tensors):
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {ref.device}: all tensors must share one device")
+        if t.device != ref.device and not (name == "cu_seqlens" and t.device.type == "cpu"):
+            raise ValueError(f"{name} is on {t.device} but query is on {ref.device}: all tensors must share one "
+                             f"device (cu_seqlens may also be on the CPU)")
 
 
 def _cu_values(cu_seqlens: Optional[Tensor]):
-    return None if cu_seqlens is None else cu_seqlens.tolist()
+    """cu_seqlens' values: read from the device once per table (flash.table_values), or from the CPU."""
+    return None if cu_seqlens is None else table_values(cu_seqlens)
+
+
+def _on_device(cu_seqlens: Optional[Tensor], cu_values, device: torch.device) -> Optional[Tensor]:
+    """The checked table on the inputs' device: a CPU table's copy, made once per values."""
+    if cu_seqlens is None or cu_seqlens.device == device:
+        return cu_seqlens
+    return _device_table(tuple(cu_values), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_table(cu: Tuple[int, ...], device: torch.device) -> Tensor:
+    return host_table(cu, device)
 
 
 def apply_native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor,
@@ -240,6 +254,8 @@ def apply_native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, blo
         block_size: 16, 32, 64, 128 or 256.
         softmax_scale: defaults to D ** -0.5.
         cu_seqlens: int (n_seqs + 1,) for packed sequences (B = 1); indices count from each sequence's start.
+            The front end reads its values on the host: a CUDA table once (a synchronisation; again only
+            after an in-place change), a CPU table (as a data loader makes it) with no synchronisation.
     Token t attends key j iff j <= t and j // block_size is selected:
 
         keys    [blk 0 ][blk 1 ][blk 2 ][blk 3 ]
@@ -257,6 +273,7 @@ def _selected(query, key, value, block_indices, block_counts, block_size, softma
     """apply_native_sparse_attention after its type checks, with cu_seqlens' values read once by the caller."""
     shapes, count = checks.selected_shapes(query, key, value, block_indices, block_counts, block_size,
                                            cu_seqlens, cu_values)
+    cu_seqlens = _on_device(cu_seqlens, cu_values, query.device)
     scale = checks.default_scale(shapes.head_dim, softmax_scale)
     counts = None if count is not None else block_counts
     statics = (shapes.block_size, shapes.seqlen, shapes.sequences, scale, count or 0)
@@ -344,7 +361,7 @@ def _packed_rows(cu: Tuple[int, ...], block_size: int, device: torch.device) -> 
     flash.host_table: checked from their values, so the varlen flash calls do not read them back), made
     once per table: every NSA layer of a step packs the same sequences.  Never written."""
     lay = checks.packed_compressed(cu, block_size)
-    arrays = {"cu_seqlens": host_table(list(cu), device)}
+    arrays = {"cu_seqlens": _device_table(cu, device)}
     for name in ("body_rows", "tail_rows", "order", "last_rows", "prev_blocks"):
         a = getattr(lay, name)
         arrays[name] = None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
@@ -504,6 +521,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
         block_counts=block_counts, block_size=block_size, window_size=window_size, softmax_scale=softmax_scale,
         cu_seqlens=cu_seqlens, cu_values=cu_values, return_block_indices=return_block_indices,
         deterministic=deterministic)
+    cu_seqlens = _on_device(cu_seqlens, cu_values, query.device)
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []

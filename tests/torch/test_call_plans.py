@@ -120,29 +120,47 @@ def test_forward_without_gradients_skips_autograd(plans, torch_gen):
 
 
 def test_varlen_tables_are_read_on_the_host_once(monkeypatch):
-    """Reading a CUDA table's values synchronises with the GPU: a cu_seqlens pair is checked on its
-    first call, not on the next layers' calls, and again once it changes in place or is replaced; a
-    bad table still raises before any launch."""
-    from dualattn.torch_api import flash as torch_flash
-    reads = []
-    real_check = torch_flash.check_cu_seqlens_values
-    monkeypatch.setattr(torch_flash, "check_cu_seqlens_values", lambda *a: reads.append(a) or real_check(*a))
+    """Reading a CUDA table's values synchronises with the GPU: a cu_seqlens table is read on its first
+    call, not on the next layers' calls, and again once it changes in place or is replaced; a bad table
+    still raises before any launch."""
     q = torch.randn(24, 2, 16)
     cu = torch.tensor([0, 9, 24], dtype=torch.int32)
+    reads = _count_reads(monkeypatch)
     for _ in range(3):
         dt.flash_attn_varlen_func(q, q, q, cu, cu, 15, 15, causal=True)
     assert len(reads) == 1
-    dt.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, causal=True)   # other maxima: checked against them
-    assert len(reads) == 2
+    dt.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, causal=True)   # other maxima: checked, not read
+    assert len(reads) == 1
     fresh = cu.clone()
     dt.flash_attn_varlen_func(q, q, q, fresh, fresh, 15, 15, causal=True)
-    assert len(reads) == 3
+    assert len(reads) == 2
     fresh[1] = 30   # in place: its version moves on
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
         dt.flash_attn_varlen_func(q, q, q, fresh, fresh, 15, 15, causal=True)
-    assert len(reads) == 4
+    assert len(reads) == 3
     with torch.inference_mode():   # no version counter to trust: read on every call
         served = torch.tensor([0, 9, 24], dtype=torch.int32)
         for _ in range(2):
             dt.flash_attn_varlen_func(q, q, q, served, served, 15, 15, causal=True)
-    assert len(reads) == 6
+    assert len(reads) == 5
+
+
+def test_host_made_tables_are_never_read(monkeypatch):
+    """flash.host_table's tables carry their values: the varlen flash checks them from those, and a table
+    freed leaves the registry (no stale entry for a later tensor at the same address)."""
+    from dualattn.torch_api import flash as torch_flash
+    q = torch.randn(24, 2, 16)
+    reads = _count_reads(monkeypatch)
+    table = torch_flash.host_table([0, 9, 24], "cpu")
+    dt.flash_attn_varlen_func(q, q, q, table, table, 15, 15, causal=True)
+    assert reads == [] and torch_flash.table_values(table) == (0, 9, 24)
+    key = id(table)
+    del table
+    assert key not in torch_flash._TABLE_VALUES
+
+
+def _count_reads(monkeypatch) -> list:
+    """The host reads of integer tables (Tensor.tolist) from now on."""
+    reads, real = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    return reads
