@@ -10,6 +10,8 @@ blocks, window 512, bench_nsa.py's inputs, no gradients).
     python benchmarks/host_nsa.py --varlen [T GROUP SEQUENCES ...]  the forward of SEQUENCES equal
                                                        sequences packed into T tokens (cu_seqlens) against
                                                        the same as a batch of SEQUENCES rows
+    python benchmarks/host_nsa.py --varlen --kernels [...]  the same, and each kernel's device ms a call,
+                                                       packed against batch (torch.profiler)
     python benchmarks/host_nsa.py --varlen --jax [...]  the same, and JAX's backend "triton" in the same run
                                                        (jitted, cu_seqlens a constant; back-to-back calls
                                                        and one wait)
@@ -27,7 +29,7 @@ from typing import Tuple
 import torch
 
 import dualattn.torch_api as dt
-from dualattn.bench.flash import captured
+from dualattn.bench.flash import captured, kernel_times
 
 
 def measure(seqlen: int, group: int, calls: int = 30) -> dict:
@@ -131,7 +133,8 @@ def measure_train(seqlen: int, group: int, calls: int = 30) -> dict:
     return row
 
 
-def measure_varlen(total: int, group: int, sequences: int, calls: int = 10, with_jax: bool = False) -> dict:
+def measure_varlen(total: int, group: int, sequences: int, calls: int = 10, with_jax: bool = False,
+                   kernels: bool = False) -> dict:
     """The forward of `sequences` equal sequences packed into `total` tokens (cu_seqlens, on the GPU) against
     the same tokens as a batch of `sequences` rows: host and wall ms per call, and the host synchronisations
     of a call after the first (which reads the table's values)."""
@@ -158,9 +161,21 @@ def measure_varlen(total: int, group: int, sequences: int, calls: int = 10, with
         for name, fn in (("varlen", lambda: dt.native_sparse_attention(q, k, v, *gates, cu_seqlens=cu, **opts)),
                          ("batch", lambda: dt.native_sparse_attention(*map(batched, (q, k, v, *gates)), **opts))):
             row[f"{name}_host_ms"], row[f"{name}_wall_ms"] = _wall_ms(fn, calls)
+            if kernels:
+                row[f"{name}_kernel_ms"] = kernel_times(fn)
     if with_jax:
         row.update(_jax_varlen_ms(q, k, v, gates, cu, batched, opts, calls))
     return row
+
+
+def _print_kernels(tables: dict) -> None:
+    """Kernel by kernel, packed against batch, the largest first."""
+    names = sorted(set(tables["varlen"]) | set(tables["batch"]),
+                   key=lambda n: -max(tables["varlen"].get(n, 0), tables["batch"].get(n, 0)))
+    print(f"  {'kernel':72s} {'packed':>8s} {'batch':>8s}")
+    for n in names:
+        print(f"  {n:72s} {tables['varlen'].get(n, 0):8.3f} {tables['batch'].get(n, 0):8.3f}")
+    print(f"  {'total':72s} {sum(tables['varlen'].values()):8.3f} {sum(tables['batch'].values()):8.3f}", flush=True)
 
 
 def _jax_varlen_ms(q, k, v, gates, cu, batched, opts, calls: int) -> dict:
@@ -190,14 +205,18 @@ def _jax_varlen_ms(q, k, v, gates, cu, batched, opts, calls: int) -> dict:
 
 
 def main(argv):
-    train, varlen, with_jax = "--train" in argv, "--varlen" in argv, "--jax" in argv
+    train, varlen, with_jax, kernels = "--train" in argv, "--varlen" in argv, "--jax" in argv, "--kernels" in argv
     numbers = [int(a) for a in argv if not a.startswith("--")]
     print(f"# python benchmarks/host_nsa.py {' '.join(argv)}  ({torch.cuda.get_device_name()}, torch "
           f"{torch.__version__})")
     if varlen:
         numbers = numbers or [65536, 4, 8, 65536, 4, 64]
         for total, group, sequences in zip(numbers[::3], numbers[1::3], numbers[2::3]):
-            print(measure_varlen(total, group, sequences, with_jax=with_jax), flush=True)
+            row = measure_varlen(total, group, sequences, with_jax=with_jax, kernels=kernels)
+            tables = {name: row.pop(f"{name}_kernel_ms") for name in ("varlen", "batch") if kernels}
+            print(row, flush=True)
+            if tables:
+                _print_kernels(tables)
         return
     pairs = numbers or [8192, 4, 8192, 16]
     for seqlen, group in zip(pairs[::2], pairs[1::2]):
