@@ -118,7 +118,8 @@ def selected_shapes(query, key, value, block_indices, block_counts, block_size, 
     shapes = NsaShapes(batch=b, seqlen=seqlen, heads_q=hq, heads_kv=hkv, head_dim=d, head_dim_v=dv,
                        num_slots=_shape(block_indices)[3], block_size=block_size, dtype=dtype,
                        per_token_counts=count is None, varlen=varlen, sequences=sequences,
-                       total=t if varlen else 0)
+                       total=t if varlen else 0,
+                       rows_covered=varlen and cu_seqlens_values is not None and int(cu_seqlens_values[-1]) == t)
     return shapes, count
 
 

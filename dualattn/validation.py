@@ -53,6 +53,9 @@ class FlashShapes:
     mask_bcast_batch: bool = False
     mask_bcast_head: bool = False
     has_segments: bool = False
+    # varlen: the host checked the tables and every packed query row lies in a sequence (cu_seqlens_q[-1]
+    # == total_q), so the forward writes every row of out and lse and neither needs a fill beforehand.
+    queries_covered: bool = False
 
     @property
     def group_size(self) -> int:
@@ -214,6 +217,7 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: i
 
     Called by the front ends whenever the values are known on the host (not for traced JAX
     values or inside torch.compile): a bad table would make the kernels read out of bounds.
+    Returns whether every query row lies in a sequence (FlashShapes.queries_covered).
     """
     for name, cu, total, max_len, max_name in (
             ("cu_seqlens_q", list(cu_seqlens_q), total_q, max_seqlen_q, "max_seqlen_q"),
@@ -228,6 +232,7 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: i
                              f"{'query' if name.endswith('q') else 'key/value'} tensor")
         if lengths and max(lengths) > int(max_len):
             raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence ({max(lengths)})")
+    return int(cu_seqlens_q[-1]) == total_q
 
 
 def check_positions(q_positions, kv_positions, batch: int, seqlen_q: int, seqlen_k: int) -> None:

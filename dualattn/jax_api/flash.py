@@ -244,8 +244,9 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
     same_tables = False
     if shapes.varlen:
         if not any(isinstance(c, jax.core.Tracer) for c in (cu_seqlens_q, cu_seqlens_k)):
-            check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(),
-                                    shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
+            covered = check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(),
+                                              shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
+            shapes = dataclasses.replace(shapes, queries_covered=covered)
         # Traced tables are checked by no host: run them as made non-decreasing and clipped to the packed
         # tokens (a no-op on checked ones), so sequences never overlap (mask.varlen_tokens).  One table
         # stays one (plan.varlen_as_documents).
@@ -276,7 +277,7 @@ def _call(query, key, value, *, softmax_scale, causal, sliding_window, logits_so
                          **_descriptor_flags(query), deterministic=deterministic,
                          same_tables=same_tables)
         out, lse = _flash_triton(static, arrays)
-        if shapes.varlen and return_lse:
+        if shapes.varlen and return_lse and not shapes.queries_covered:
             # Rows in no sequence are written by no program; out was zero-filled, lse is masked here
             # (jax-triton can only zero-fill: plan._forward_outputs).
             inside = varlen_tokens(cu_seqlens_q, shapes.total_q, shapes.seqlen_q)[2]

@@ -11,6 +11,7 @@ Static options cross the custom-op boundary as primitive fields of FlashOptions.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import weakref
 from typing import Optional, Tuple
@@ -94,6 +95,8 @@ def _problem(named: dict, resolved: Optional[_Resolved] = None):
                      named["sparse_block_k"], named["sparse_contiguous"])
     if resolved is None:
         shapes = _shapes(a, named["max_seqlen_q"], named["max_seqlen_k"])
+        if _queries_covered(named):
+            shapes = dataclasses.replace(shapes, queries_covered=True)
         options = _options(named["softmax_scale"], named["window_left"], named["window_right"],
                            named["logits_soft_cap"], named["dropout_prob"])
         device = named["query"].device
@@ -274,7 +277,8 @@ def _call_key(named: dict) -> Optional[tuple]:
     if torch.compiler.is_compiling():
         return None
     return (tuple(map(_tensor_key, map(named.get, _TENSOR_ARGS))), tuple(map(named.get, _KEYED_STATICS)),
-            _same_tables(named), flash_plan.environment(), executor.default_executor().state("flash"))
+            _same_tables(named), _queries_covered(named), flash_plan.environment(),
+            executor.default_executor().state("flash"))
 
 
 def _out_zeroed(launch) -> bool:
@@ -570,13 +574,21 @@ def host_table(values, device) -> Tensor:
     return table
 
 
+def _known_values(table: Tensor) -> Optional[tuple]:
+    """table_values' values of `table` if they are known without reading it, else None."""
+    seen = _TABLE_VALUES.get(id(table))
+    if seen is not None and seen[0]() is table and (seen[2] is None or seen[2] == table._version):
+        return seen[1]
+    return None
+
+
 def table_values(table: Tensor) -> tuple:
     """The values of an integer table (cu_seqlens) as python ints: read once (from a CUDA tensor, a
     synchronisation) and then remembered until the table is freed or changed in place.  Tensors made under
     torch.inference_mode keep no version counter: read on every call."""
-    seen = _TABLE_VALUES.get(id(table))
-    if seen is not None and seen[0]() is table and (seen[2] is None or seen[2] == table._version):
-        return seen[1]
+    known = _known_values(table)
+    if known is not None:
+        return known
     values = tuple(table.tolist())
     if not table.is_inference():
         _remember(table, values, table._version)
@@ -584,15 +596,33 @@ def table_values(table: Tensor) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _check_values(values_q: tuple, values_k: tuple, limits: tuple) -> None:
-    """check_cu_seqlens_values once per distinct pair (a failing check raises, and is not cached)."""
-    check_cu_seqlens_values(list(values_q), list(values_k), *limits)
+def _check_values(values_q: tuple, values_k: tuple, limits: tuple) -> bool:
+    """check_cu_seqlens_values once per distinct pair (a failing check raises, and is not cached): whether
+    every query row lies in a sequence."""
+    return check_cu_seqlens_values(list(values_q), list(values_k), *limits)
 
 
 def _check_tables(cu_q: Tensor, cu_k: Tensor, shapes) -> None:
     limits = (shapes.total_q, shapes.total_k, shapes.seqlen_q, shapes.seqlen_k)
     values_q = table_values(cu_q)
     _check_values(values_q, values_q if cu_k is cu_q else table_values(cu_k), limits)
+
+
+def _queries_covered(named: dict) -> bool:
+    """Whether a varlen call's tables are known on the host (_check_tables read them, or host_table made
+    them), pass the checks and put every query row in a sequence: then no out or lse row is left to a fill
+    (FlashShapes.queries_covered).  Never reads a table."""
+    cu_q, cu_k = named.get("cu_seqlens_q"), named.get("cu_seqlens_k")
+    if cu_q is None or cu_k is None or torch.compiler.is_compiling():
+        return False
+    values_q, values_k = _known_values(cu_q), _known_values(cu_k)
+    if values_q is None or values_k is None:
+        return False
+    limits = (named["query"].shape[0], named["key"].shape[0], named["max_seqlen_q"], named["max_seqlen_k"])
+    try:
+        return _check_values(values_q, values_k, limits)
+    except ValueError:
+        return False
 
 
 def _sanitized_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:

@@ -140,22 +140,24 @@ def _cat(parts: list, dim: int) -> Tensor:
 
 
 def _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size: int, seqlen: int,
-                     sequences: int) -> nsa_plan.NsaShapes:
-    """The NsaShapes nsa.selected_shapes gave, from the tensors and the two numbers a varlen table's values
-    decide (they cross the custom ops' boundary as ints)."""
+                     sequences: int, rows_covered: bool = False) -> nsa_plan.NsaShapes:
+    """The NsaShapes nsa.selected_shapes gave, from the tensors and what a varlen table's values decide
+    (the longest sequence, their number, whether they cover every token: they cross the custom ops'
+    boundary as numbers)."""
     b, t, hq, d = query.shape
     varlen = cu_seqlens is not None
     return nsa_plan.NsaShapes(batch=b, seqlen=seqlen, heads_q=hq, heads_kv=value.shape[2], head_dim=d,
                               head_dim_v=value.shape[3], num_slots=block_indices.shape[3], block_size=block_size,
                               dtype=dtype_name(query), per_token_counts=block_counts is not None, varlen=varlen,
-                              sequences=sequences, total=t if varlen else 0)
+                              sequences=sequences, total=t if varlen else 0, rows_covered=rows_covered)
 
 
 def _selected_fwd_impl(query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor,
                        block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor], block_size: int, seqlen: int,
-                       sequences: int, softmax_scale: float, count: int) -> Tuple[Tensor, Tensor]:
+                       sequences: int, softmax_scale: float, count: int, rows_covered: bool) -> Tuple[Tensor, Tensor]:
     """(out in the query's dtype, lse fp32 (B, T, Hq)) of the selected branch."""
-    shapes = _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size, seqlen, sequences)
+    shapes = _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size, seqlen, sequences,
+                              rows_covered)
     arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
     res = nsa_plan.run_forward(nsa_plan.plan_forward(shapes, softmax_scale, count), arrays, _launch.run,
                                inverted_index)
@@ -165,7 +167,7 @@ def _selected_fwd_impl(query: Tensor, key: Tensor, value: Tensor, block_indices:
 def _selected_bwd_impl(dout: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor,
                        block_indices: Tensor, block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor],
                        block_size: int, seqlen: int, sequences: int, softmax_scale: float,
-                       count: int) -> Tuple[Tensor, Tensor, Tensor]:
+                       count: int, rows_covered: bool) -> Tuple[Tensor, Tensor, Tensor]:
     shapes = _selected_shapes(query, value, block_indices, block_counts, cu_seqlens, block_size, seqlen, sequences)
     arrays = _selected_inputs(query, key, value, block_indices, block_counts, cu_seqlens)
     arrays.update(out=_cpu_upcast(out.contiguous()), lse=lse)
@@ -276,7 +278,7 @@ def _selected(query, key, value, block_indices, block_counts, block_size, softma
     cu_seqlens = _on_device(cu_seqlens, cu_values, query.device)
     scale = checks.default_scale(shapes.head_dim, softmax_scale)
     counts = None if count is not None else block_counts
-    statics = (shapes.block_size, shapes.seqlen, shapes.sequences, scale, count or 0)
+    statics = (shapes.block_size, shapes.seqlen, shapes.sequences, scale, count or 0, shapes.rows_covered)
     return _SelectedAttention.apply(query, key, value, block_indices, counts, cu_seqlens, statics)
 
 

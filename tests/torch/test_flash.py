@@ -460,6 +460,33 @@ def test_varlen_matches_dense_per_sequence(torch_gen):
         assert_close_rel(lse[:, cq[i]:cq[i + 1]], l[0], 1e-6, f"lse seq {i}")
 
 
+@pytest.mark.parametrize("covered", [True, False])
+def test_varlen_rows_written_without_a_fill(monkeypatch, torch_gen, covered):
+    """Tables the host checked that put every query row in a sequence (FlashShapes.queries_covered) skip the
+    fill of out and lse: the kernels must then write every row, those of a sequence with no keys and the
+    causal rows that see none included.  Fresh buffers hold NaN here.  Not covered (rows past
+    cu_seqlens_q[-1]): those rows still get 0 and lse -inf."""
+    from dualattn.torch_api import flash as torch_flash
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    lq, lk = [9, 40, 3, 0, 33], [30, 0, 19, 5, 20]
+    extra = 0 if covered else 6
+    q = randn(torch_gen, sum(lq) + extra, 2, 32)
+    k, v = randn(torch_gen, sum(lk), 1, 32), randn(torch_gen, sum(lk), 1, 32)
+    cq, ck = _cu(lq), _cu(lk)
+    check_against_reference(q[:sum(lq)], k, v, {}, dict(causal=True), torch_gen, tol_out=TOL_OUT[torch.float32],
+                            tol_grad=TOL_GRAD[torch.float32], varlen=(cq, ck, max(lq), max(lk)))
+    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True, return_lse=True)
+    assert [c.out_zeroed for c in torch_flash._CALL_PLANS.values()][-1] is not covered
+    assert not out[:sum(lq)].isnan().any() and not lse[:, :sum(lq)].isnan().any()
+    assert torch.equal(out[sum(lq):], torch.zeros_like(out[sum(lq):]))
+    assert (lse[:, sum(lq):] == float("-inf")).all()
+
+
 # ------------------------------------------------------------------------------------------------
 # Dropout
 # ------------------------------------------------------------------------------------------------

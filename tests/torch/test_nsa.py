@@ -97,6 +97,25 @@ def test_selected_branch_varlen(torch_gen, monkeypatch, loop):
     check_selected(q, k, v, idx, counts, 16, FP32_TOL, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("loop", ["scan", "by_key"])
+def test_selected_branch_varlen_writes_every_row(torch_gen, monkeypatch, loop):
+    """A table read on the host that covers every token (NsaShapes.rows_covered) skips the fill of out and
+    lse: each loop must write every row itself, those of a token with nothing selected included.  Fresh
+    buffers hold NaN here."""
+    force_loop(monkeypatch, loop)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    cu = torch.tensor([0, 37, 40, 80], dtype=torch.int32)
+    q, k, v = qkv(torch_gen, 1, 80, 2, 1, 16)
+    idx, counts = random_selection(torch_gen, 1, 80, 1, 3, 16)
+    counts[0, 38] = 0   # a token with nothing selected
+    check_selected(q, k, v, idx, counts, 16, FP32_TOL, cu_seqlens=cu)
+
+
 def test_selected_branch_backward_is_bitwise_reproducible(torch_gen):
     """Every dK / dV row comes from one program over a stably sorted list: two runs, the same bits."""
     q, k, v = qkv(torch_gen, 2, 96, 4, 2, 16)

@@ -508,9 +508,11 @@ def plan_varlen_segment_ids(total: int, num_seqs: int, max_seqlen: int) -> Launc
 
 def _forward_outputs(shapes: FlashShapes) -> Tuple[Output, Output]:
     """out and lse.  Varlen rows in no sequence (past cu_seqlens[-1], or past max_seqlen_q in a sequence
-    a traced table made longer) are written by no program: filled beforehand with 0 and lse -inf."""
-    return (Output("out", out_shape(shapes), "like:query", zeroed=shapes.varlen),
-            Output("lse", _lse_shape(shapes), "float32", zeroed=shapes.varlen, fill=float("-inf")))
+    a traced table made longer) are written by no program: filled beforehand with 0 and lse -inf, unless
+    the host knows there are none (shapes.queries_covered)."""
+    fill = shapes.varlen and not shapes.queries_covered
+    return (Output("out", out_shape(shapes), "like:query", zeroed=fill),
+            Output("lse", _lse_shape(shapes), "float32", zeroed=fill, fill=float("-inf")))
 
 
 BWD_KERNEL_INPUTS = FWD_INPUTS + ("dout", "lse", "delta")

@@ -106,10 +106,21 @@ class NsaShapes:
     varlen: bool = False
     sequences: int = 0
     total: int = 0
+    # varlen: the host read the table and every packed token lies in a sequence (cu_seqlens[-1] == total),
+    # so the forward writes every row of out and lse and neither needs a fill beforehand.
+    rows_covered: bool = False
 
     @property
     def group_size(self) -> int:
         return self.heads_q // self.heads_kv
+
+
+def _forward_outputs(shapes: NsaShapes, batch: int, rows: int) -> tuple:
+    """out and lse of the selected forward.  Varlen rows in no sequence are written by no program: filled
+    beforehand with 0 and lse -inf, unless the host knows there are none (shapes.rows_covered)."""
+    fill = shapes.varlen and not shapes.rows_covered
+    return (Output("out", (batch, rows, shapes.heads_q, shapes.head_dim_v), "like:query", zeroed=fill),
+            Output("lse", lse_shape(shapes), "float32", zeroed=fill, fill=float("-inf")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,8 +298,7 @@ def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int, scan
     _, (batch, rows) = _strides(shapes)
     return Launch(
         module="nsa.selected", kernel="nsa_fwd_kernel", grid=grid, inputs=FWD_INPUTS, scalars=scalars,
-        outputs=(Output("out", (batch, rows, shapes.heads_q, shapes.head_dim_v), "like:query", zeroed=shapes.varlen),
-                 Output("lse", lse_shape(shapes), "float32", zeroed=shapes.varlen, fill=float("-inf"))),
+        outputs=_forward_outputs(shapes, batch, rows),
         constexprs=constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
@@ -396,8 +406,7 @@ def _plan_key_major(shapes: NsaShapes, scalars: tuple, constexprs: tuple, grid: 
         module="nsa.key_major", kernel="nsa_fwd_merge_kernel",
         grid=(cdiv(shapes.seqlen, merge_tokens(shapes)), kv_groups(shapes), 1), inputs=MERGE_INPUTS,
         scalars=_pick(MERGE_SCALARS, scalar),
-        outputs=(Output("out", (batch, rows, shapes.heads_q, shapes.head_dim_v), "like:query", zeroed=shapes.varlen),
-                 Output("lse", lse_shape(shapes), "float32", zeroed=shapes.varlen, fill=float("-inf"))),
+        outputs=_forward_outputs(shapes, batch, rows),
         constexprs=_pick(MERGE_CONSTEXPRS, dict(const, TOKENS=merge_tokens(shapes))), num_warps=MERGE_WARPS,
         num_stages=MERGE_STAGES, resume=(("part_o", "part_o"), ("part_lse", "part_lse")))
     entries = num_entries(shapes)
