@@ -132,7 +132,7 @@ class Variant:
             dtypes.update({name: "int32" for name in flash_plan.SPARSE_INPUTS})
         dtypes.update(out=self.dtype, dout=self.dtype, lse="float32", delta="float32",
                       resume_out=self.dtype, resume_lse="float32",   # a split band's edges launch
-                      segment_ranges="int32")                        # (segments.py)
+                      segment_ranges="int32", segment_tile_ids="int32")   # (segments.py)
         if self.lse_grad:
             dtypes["dlse"] = "float32"
         if self.dropout > 0:
@@ -265,8 +265,24 @@ def test_segment_ranges_run_first_and_compile():
             assert head.kernel == "segment_ranges_kernel" and head.then is main
             assert main.constexpr_dict["SEGMENT_SKIP"] and dict(main.resume) == {"segment_ranges": "segment_ranges"}
             own = main.constexpr_dict["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"]
-            assert head.constexpr_dict["BLOCK_OWN"] == own
+            assert head.constexpr_dict["BLOCK_OWN"] == own and not head.constexpr_dict["FROM_TILE_IDS"]
             _check_binary(_compile(head, dtypes, arch, "torch", variant.name), head, arch, variant.name)
+
+
+def test_long_segment_ranges_start_from_tile_ids_and_compile():
+    """Past plan.TILE_IDS_FROM other-axis ids the ranges launch reads the other tiles' [min, max] ids, which a
+    launch before it computes (segments.segment_tile_ids_kernel); both compile for either arch."""
+    variant = Variant("bf16-d128-causal-segments-long", causal=True, segments=True, sq=32768, sk=32768)
+    for kernel in DOT_KERNELS:
+        for arch in ARCHS:
+            head, dtypes = variant.launch(kernel, arch, head=True)
+            ranges = head.then
+            assert head.kernel == "segment_tile_ids_kernel" and ranges.kernel == "segment_ranges_kernel"
+            assert ranges.constexpr_dict["FROM_TILE_IDS"] and dict(ranges.resume) == {
+                "segment_tile_ids": "segment_tile_ids"}
+            assert head.constexpr_dict["BLOCK"] == ranges.constexpr_dict["BLOCK_OTHER"]
+            for one in (head, ranges):
+                _check_binary(_compile(one, dtypes, arch, "torch", variant.name), one, arch, variant.name)
 
 
 def test_hopper_forward_uses_wgmma():

@@ -201,11 +201,15 @@ def test_jax_triton_traced_seed_vmap_and_varlen(rng):
     np.testing.assert_array_equal(np.asarray(jo), to.numpy())
 
 
-def test_varlen_one_table_as_segment_ids_is_the_same_in_both(rng, monkeypatch):
+@pytest.mark.parametrize("tile_ids", [False, True], ids=["ids", "tile_ids"])
+def test_varlen_one_table_as_segment_ids_is_the_same_in_both(rng, monkeypatch, tile_ids):
     """Varlen with one table run as segment ids (plan.varlen_as_documents and varlen_backward_as_documents;
     DUALATTN_VARLEN_DOCUMENTS=1 takes them through the interpreter): jax with the table traced under jit gives
-    torch's numbers bit for bit, forward and gradients, and both match the varlen kernels."""
+    torch's numbers bit for bit, forward and gradients, and both match the varlen kernels.  `tile_ids`: the
+    segment ranges from the key tiles' [min, max] ids, as on a pack longer than plan.TILE_IDS_FROM (made short)."""
     from dualattn.kernels.flash import plan as flash_plan
+    if tile_ids:
+        monkeypatch.setattr(flash_plan, "TILE_IDS_FROM", 16)
     h, d, lens = 2, 16, [17, 40, 0, 5]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     total = int(cu[-1]) + 6   # tokens past the last sequence
@@ -231,7 +235,7 @@ def test_varlen_one_table_as_segment_ids_is_the_same_in_both(rng, monkeypatch):
     def spy(which):
         def planned(*args, **kwargs):
             plan = real[which](*args, **kwargs)
-            chains.append((plan.dkdv if which else plan).chain[0].kernel)
+            chains.append([one.kernel for one in (plan.dkdv if which else plan).chain])
             return plan
         return planned
 
@@ -240,7 +244,9 @@ def test_varlen_one_table_as_segment_ids_is_the_same_in_both(rng, monkeypatch):
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1")
     jax_results, torch_results = both()
     # jax and torch both ran the forward and the backward as documents
-    assert chains.count("varlen_segment_ids_kernel") == 4, chains
+    heads = [chain[0] for chain in chains]
+    assert heads.count("varlen_segment_ids_kernel") == 4, chains
+    assert all(("segment_tile_ids_kernel" in chain) == tile_ids for chain in chains), chains
     for name, j, t in zip(("out", "lse", "dq", "dk", "dv"), jax_results, torch_results):
         np.testing.assert_array_equal(j, t, err_msg=name)
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "0")
@@ -408,6 +414,21 @@ def test_gpu_options_on_the_gluon_kernels_are_the_same_in_both(monkeypatch, d, o
     _assert_same_bits(t, j, one_pass=True)
     assert backward_kernels and set(backward_kernels) == {"flash_bwd_one_pass_kernel"}, backward_kernels
     assert forward_kernels and set(forward_kernels) == {"flash_fwd_gluon_kernel"}, forward_kernels
+
+
+@pytest.mark.gpu
+def test_gpu_long_documents_are_the_same_in_both(monkeypatch):
+    """Segment ids over 20k tokens, past plan.TILE_IDS_FROM: each launch's segment ranges come from the other
+    tiles' [min, max] ids, a launch of their own that JAX runs into fresh buffers and torch in place; the same
+    out, dK and dV bits in both frameworks, dQ within the one-pass kernel's reduction order."""
+    from plan_spy import spy_chains
+    chains = spy_chains(monkeypatch)
+    lens = (3000, 517, 2048, 4100, 1, 777, 5000, 1333, 3555)
+    ids = np.concatenate([np.full(n, i % 7, np.int32) for i, n in enumerate(lens)])[None]
+    seg = torch.from_numpy(ids).cuda()
+    t, j = _gpu_both(_gpu_inputs(4, 1, ids.shape[1], 4, 128), True, q_segment_ids=seg, kv_segment_ids=seg)
+    _assert_same_bits(t, j, one_pass=torch.cuda.get_device_capability() == (9, 0))
+    assert chains and all(chain[0] == "segment_tile_ids_kernel" for chain in chains), chains
 
 
 @pytest.mark.gpu

@@ -273,7 +273,7 @@ def test_one_pass_takes_segment_ids(d, causal, hq, hkv, sq, sk):
         "segment_ranges_kernel", ONE_PASS, "flash_bwd_dq_convert_kernel")
     block_m, block_n = flash_plan.ONE_PASS_TILES[d][:2]
     assert ranges.constexpr_dict == {"BLOCK_OWN": block_n, "BLOCK_OTHER": block_m, "OWN_IS_QUERY": False,
-                                     "CHUNK_TILES": flash_plan.SEGMENT_CHUNK // block_m}
+                                     "CHUNK_TILES": flash_plan.SEGMENT_CHUNK // block_m, "FROM_TILE_IDS": False}
     assert ranges.grid == (-(-sk // block_n), 2, 1)
     assert one_pass.constexpr_dict["SEGMENTS"] and one_pass.resume == (("segment_ranges", "segment_ranges"),)
     assert not _plan(d=d, causal=causal, hq=hq, hkv=hkv, sq=sq, sk=sk).dkdv.constexpr_dict["SEGMENTS"]

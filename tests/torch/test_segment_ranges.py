@@ -80,7 +80,21 @@ def ranges_launches(q_ids, kv_ids):
     options = FlashOptions.build(head_dim=16, causal=True)
     fwd = flash_plan.plan_forward(shapes, options, strides, config=TILES)
     bwd = flash_plan.plan_backward(shapes, options, strides, config=TILES)
-    return {"fwd": fwd, "dkdv": bwd.dkdv, "dq": bwd.dq}, {"q_segment_ids": qs, "kv_segment_ids": ks}
+    return {"fwd": fwd, "dkdv": bwd.dkdv, "dq": bwd.dq}, {"q_segment_ids": qs, "kv_segment_ids": ks}, shapes
+
+
+def from_tile_ids(head, shapes, monkeypatch):
+    """The launches segment_ranges_first makes where the other axis is longer than TILE_IDS_FROM ids (made short
+    here, and SEGMENT_CHUNK with it: two 32-row tiles a tile-ids program): the other tiles' [min, max] ids
+    first, then the ranges from them."""
+    c = head.constexpr_dict
+    monkeypatch.setattr(flash_plan, "TILE_IDS_FROM", 64)
+    monkeypatch.setattr(flash_plan, "SEGMENT_CHUNK", 64)
+    chain = flash_plan.segment_ranges_first(head.then, shapes, dict(head.scalars), c["BLOCK_OWN"], c["BLOCK_OTHER"],
+                                            c["OWN_IS_QUERY"])
+    assert chain.kernel == "segment_tile_ids_kernel" and chain.constexpr_dict["TILES"] == 2
+    assert chain.then.constexpr_dict["FROM_TILE_IDS"] and chain.then.then is head.then
+    return chain
 
 
 def random_docs(seed):
@@ -99,24 +113,32 @@ def random_docs(seed):
     return (q, q) if seed % 2 else (q, ids(256 + int(rng.integers(0, 40))))
 
 
-@pytest.mark.parametrize("chunk_tiles", [None, 1, 4], ids=["plan", "chunk1", "chunk4"])
+@pytest.mark.parametrize("source, chunk_tiles", [("ids", None), ("ids", 1), ("ids", 4), ("tile_ids", None),
+                                                 ("tile_ids", 4)],
+                         ids=["plan", "chunk1", "chunk4", "tile_ids-plan", "tile_ids-chunk4"])
 @pytest.mark.parametrize("docs", ["unaligned_partial", "repeated", "cross", "absent", "random0", "random1",
                                   "random2", "random3"])
-def test_ranges_kernel_gives_the_first_pure_run(docs, chunk_tiles):
+def test_ranges_kernel_gives_the_first_pure_run(docs, chunk_tiles, source, monkeypatch):
     """The kernel reads the other axis CHUNK_TILES tiles at a time: the plan's chunk (the whole axis here), and
     chunks of one and of four tiles, so that runs and ranges cross chunk boundaries (the last chunk of four
-    reaches past the sequence where the tile count is not a multiple of four)."""
+    reaches past the sequence where the tile count is not a multiple of four); from the ids themselves, or
+    from the other tiles' [min, max] ids, as on a long other axis."""
     q_ids, kv_ids = random_docs(int(docs[6:])) if docs.startswith("random") else DOCS[docs]
-    launches, arrays = ranges_launches(q_ids, kv_ids)
+    launches, arrays, shapes = ranges_launches(q_ids, kv_ids)
     pure_runs = 0
     for name, head in launches.items():
         assert head.kernel == "segment_ranges_kernel" and head.then.constexpr_dict["SEGMENT_SKIP"], name
+        assert not head.constexpr_dict["FROM_TILE_IDS"]   # (an other axis of one chunk)
+        first = from_tile_ids(head, shapes, monkeypatch) if source == "tile_ids" else None
+        head = first.then if first else head
         if chunk_tiles:
             head = dataclasses.replace(head, constexprs=tuple(
                 (k, chunk_tiles if k == "CHUNK_TILES" else v) for k, v in head.constexprs))
         c = head.constexpr_dict
         own, other = (q_ids, kv_ids) if c["OWN_IS_QUERY"] else (kv_ids, q_ids)
-        got = _launch.run(dataclasses.replace(head, then=None), arrays)["segment_ranges"][0].numpy()
+        head = dataclasses.replace(head, then=None)
+        got = _launch.run(dataclasses.replace(first, then=head) if first else head, arrays)["segment_ranges"]
+        got = got[0].numpy()
         want = expected_ranges(own, other, c["BLOCK_OWN"], c["BLOCK_OTHER"])
         np.testing.assert_array_equal(got, want, err_msg=name)
         # What the kernels rely on: every pair of a tile in the pure run with the own tile has equal ids,
@@ -178,3 +200,45 @@ def test_documents_on_the_gpu(head_dim, causal, torch_gen):
     assert_close_rel(out, rout, 1e-2, "out")
     for name, g, rg in zip(("dq", "dk", "dv"), grads, rgrads):
         assert_close_rel(g, rg, 1e-2, name)
+
+
+@pytest.mark.gpu
+def test_long_packs_take_the_tile_ids_on_the_gpu(monkeypatch, torch_gen):
+    """Past plan.TILE_IDS_FROM ids the ranges come from the other tiles' [min, max] ids (segment_tile_ids_kernel):
+    the same output and gradients, bit for bit, as with the ranges reduced from the ids themselves, on the GPU's
+    tiles: 20k tokens of ragged documents with a repeated id (segment ids), and the same pack as one varlen table
+    (run as documents where the Gluon kernels take it)."""
+    from dualattn.torch_api import flash_attn_varlen_func
+    from plan_spy import spy_chains
+    lens = [3000, 517, 2048, 4100, 1, 777, 5000, 1333, 3555]
+    ids = runs(*((i % 7, n) for i, n in enumerate(lens)))   # (ids 0 and 1 come back, unsorted)
+    s = len(ids)
+    q, k, v = (torch.randn(1, s, 8, 128, generator=torch_gen).to("cuda", torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(1, s, 8, 128, generator=torch_gen).to("cuda", torch.bfloat16)
+    seg = torch.from_numpy(ids[None]).cuda()
+    table = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+
+    def both():
+        out = flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+        packed = [t[0] for t in (q, k, v)]
+        varlen = flash_attn_varlen_func(*packed, table, table, max(lens), max(lens), causal=True)
+        return (out, varlen, *torch.autograd.grad((out, varlen), (q, k, v), (dout, dout[0])))
+
+    chains = spy_chains(monkeypatch)
+    backward_chains = spy_chains(monkeypatch, "plan_backward")
+    from_tile_ids = both()
+    assert sum("segment_tile_ids_kernel" in chain for chain in chains) >= 2, chains   # ids and the varlen table
+    assert any("segment_tile_ids_kernel" in chain for chain in backward_chains), backward_chains
+    monkeypatch.setattr(flash_plan, "TILE_IDS_FROM", 1 << 30)
+    flash_plan.forget_plans()
+    planned = len(chains)
+    from_ids = both()
+    assert len(chains) > planned and not any("segment_tile_ids_kernel" in chain for chain in chains[planned:])
+    for name, a, b in zip(("out", "varlen out", "dq", "dk", "dv"), from_tile_ids, from_ids):
+        if name == "dq":   # the one-pass kernel's TMA reductions add in the order programs reach them: a few
+            # sums round the other way from run to run (tests/parity's _assert_same_bits)
+            assert bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0 ** -7 + 1e-6).all()), name
+            assert int((a != b).sum()) < a.numel() // 1000, name
+            continue
+        assert torch.equal(a, b), name

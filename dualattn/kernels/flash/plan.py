@@ -30,7 +30,7 @@ from .hopper import (EDGES_IN_LOOP_ENV, GLUON_FWD_ENV, GLUON_FWD_TILES, GLUON_FW
                      warp_specialize_requested, warp_specialized_backward, warp_specialized_forward, whole_array_tiles,
                      ws_band_in_loop)
 from . import rules
-from .segments import RANGE_FIELDS
+from .segments import RANGE_FIELDS, TILE_ID_FIELDS
 from .tiles import (SHORT_SEQ_BUCKETS, TUNED, TUNED_FILE_ENV, FlashConfig, SparseInfo, TileConfig,  # noqa: F401
                     causal_window_keys, default_config, tuned_key)
 
@@ -406,7 +406,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
 # "0": varlen never runs as segment ids; "1": wherever it may, also without the Gluon forward (the portable
 # kernels with segment ids: tests on the CPU interpreter, A/B runs).
 VARLEN_DOCUMENTS_ENV = "DUALATTN_VARLEN_DOCUMENTS"
-# What the segment-ranges launch of a varlen call run as documents resumes from the ids launch.
+# What the first launch of a varlen call run as documents resumes from the ids launch (the later ones find the ids
+# among their inputs).
 VARLEN_IDS_RESUME = (("q_segment_ids", "q_segment_ids"), ("kv_segment_ids", "kv_segment_ids"))
 
 
@@ -428,15 +429,16 @@ def _one_table_as_documents(shapes: FlashShapes, options: FlashOptions, strides,
 
 def _varlen_shaped(head: Launch, shapes: FlashShapes, ids_first: bool) -> Launch:
     """A dense documents chain made the varlen call's: out, lse and the gradients varlen-shaped (the same
-    memory: batch 1 of the packed length); with ids_first, after the ids launch, which its segment-ranges
-    launch resumes (VARLEN_IDS_RESUME)."""
+    memory: batch 1 of the packed length); with ids_first, after the ids launch, which its first launch
+    resumes (VARLEN_IDS_RESUME)."""
     varlen_shape = dict(zip(("out", "lse", "dquery", "dkey", "dvalue"),
                             (out_shape(shapes), _lse_shape(shapes)) + _input_shapes(shapes)))
     tail = None
     for one in reversed(head.chain):   # rebuilt from the end
         outputs = tuple(dataclasses.replace(o, shape=varlen_shape[o.name]) if o.name in varlen_shape else o
                         for o in one.outputs)
-        resume = VARLEN_IDS_RESUME if ids_first and one.kernel == "segment_ranges_kernel" else one.resume
+        # (the chain's first launch, which reads the ids: the later ones find them among its inputs)
+        resume = one.resume + VARLEN_IDS_RESUME if ids_first and one is head else one.resume
         tail = dataclasses.replace(one, outputs=outputs, then=tail, resume=resume)
     if not ids_first:
         return tail
@@ -467,7 +469,7 @@ def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, 
     dense, dense_strides = problem
     main = plan_forward(dense, options, dense_strides, env=env, **plan_kwargs)
     chain = main.chain
-    if chain[0].kernel != "segment_ranges_kernel" or (chain[-1].kernel != "flash_fwd_gluon_kernel" and flag != "1"):
+    if chain[0].module != "flash.segments" or (chain[-1].kernel != "flash_fwd_gluon_kernel" and flag != "1"):
         return None
     return _varlen_shaped(main, shapes, ids_first=True)
 
@@ -528,26 +530,48 @@ def segment_skip(shapes: FlashShapes, sparse: Optional[SparseInfo], warp_special
 
 
 # Ids the segment-range kernel reads at once (a chunk of other-axis tiles whose ranges it reduces together), over
-# SEGMENT_WARPS warps: 32 ids a thread (no spills on sm_90; a smaller chunk at 8 warps spilled).
+# SEGMENT_WARPS warps: 32 ids a thread (no spills on sm_90; a smaller chunk at 8 warps spilled).  An other axis
+# longer than TILE_IDS_FROM ids is first reduced to its tiles' [min, max] ids (segments.segment_tile_ids_kernel,
+# a chunk a program), which the ranges kernel then reads TILE_IDS_CHUNK tiles at a time.
 SEGMENT_CHUNK = 8192
 SEGMENT_WARPS = 8
+TILE_IDS_FROM = 16384
+TILE_IDS_CHUNK = 1024
+# What the segment-ranges launch resumes from the tile-ids launch before it.
+TILE_IDS_RESUME = (("segment_tile_ids", "segment_tile_ids"),)
 
 
 def segment_ranges_first(main: Launch, shapes: FlashShapes, scalar: dict, block_own: int, block_other: int,
                          own_is_query: bool) -> Launch:
     """`main` preceded by the launch computing its per-tile segment ranges (segments.py: the tiles sharing
     an id, and the run of tiles holding only the own tile's one id), for its tiles: own tiles of block_own
-    rows (queries in the forward and dQ, keys in dK/dV), iterated ones of block_other."""
-    n_tiles = cdiv(shapes.seqlen_q if own_is_query else shapes.seqlen_k, block_own)
-    return Launch(
+    rows (queries in the forward and dQ, keys in dK/dV), iterated ones of block_other; and, where the other
+    axis is longer than TILE_IDS_FROM ids, by the launch reducing its tiles to their [min, max] ids."""
+    own_len, other_len = (shapes.seqlen_q, shapes.seqlen_k) if own_is_query else (shapes.seqlen_k, shapes.seqlen_q)
+    n_tiles = cdiv(own_len, block_own)
+    from_tile_ids = other_len > TILE_IDS_FROM
+    ranges = Launch(
         module="flash.segments", kernel="segment_ranges_kernel", grid=(n_tiles, shapes.batch, 1),
-        inputs=("q_segment_ids", "kv_segment_ids"),
+        inputs=("q_segment_ids", "kv_segment_ids", "segment_tile_ids"),
         scalars=tuple((k, scalar[k]) for k in ("seg_stride_qb", "seg_stride_kb", "seqlen_q", "seqlen_k"))
         + (("num_tiles", n_tiles),),
         outputs=(Output("segment_ranges", (shapes.batch, n_tiles, RANGE_FIELDS.value), "int32"),),
         constexprs=(("BLOCK_OWN", block_own), ("BLOCK_OTHER", block_other), ("OWN_IS_QUERY", own_is_query),
-                    ("CHUNK_TILES", max(1, SEGMENT_CHUNK // block_other))),
-        num_warps=SEGMENT_WARPS, num_stages=1, then=main)
+                    ("CHUNK_TILES", TILE_IDS_CHUNK if from_tile_ids else max(1, SEGMENT_CHUNK // block_other)),
+                    ("FROM_TILE_IDS", from_tile_ids)),
+        num_warps=SEGMENT_WARPS, num_stages=1, then=main, resume=TILE_IDS_RESUME if from_tile_ids else ())
+    if not from_tile_ids:
+        return ranges
+    other_tiles, per_program = cdiv(other_len, block_other), max(1, SEGMENT_CHUNK // block_other)
+    return Launch(
+        module="flash.segments", kernel="segment_tile_ids_kernel",
+        grid=(cdiv(other_tiles, per_program), shapes.batch, 1),
+        inputs=("kv_segment_ids" if own_is_query else "q_segment_ids",),
+        scalars=(("seg_stride_b", scalar["seg_stride_kb" if own_is_query else "seg_stride_qb"]),
+                 ("length", other_len), ("num_tiles", other_tiles)),
+        outputs=(Output("segment_tile_ids", (shapes.batch, other_tiles, TILE_ID_FIELDS.value), "int32"),),
+        constexprs=(("BLOCK", block_other), ("TILES", per_program)),
+        num_warps=SEGMENT_WARPS, num_stages=1, then=ranges)
 # What a SPLIT_BAND edges launch resumes from: the interior launch's out and lse.
 FWD_RESUME = (("resume_out", "out"), ("resume_lse", "lse"))
 

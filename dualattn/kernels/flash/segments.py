@@ -17,6 +17,12 @@ the later runs are left to the masked loops), and a tile holding several ids has
 Grid (own tiles, batch); computed once per launch's tile sizes, per batch (the ids are per batch,
 shared by every head).  RANGES[b, tile] = (first other position, end position, pure start, pure end),
 multiples of BLOCK_OTHER; (0, 0) for either range when it is empty.
+
+Every own tile reads the whole other axis, so the work grows with the square of the sequence: read
+id by id, 0.2 ms at 64k tokens (H200), more than the attention of short packed documents takes.  On
+a long other axis (plan.segment_ranges_first) a first launch gives each other tile its [min, max]
+ids (segment_tile_ids_kernel) and the ranges are read from those, BLOCK_OTHER times fewer values;
+the ranges are the same either way.
 """
 import triton
 import triton.language as tl
@@ -24,6 +30,8 @@ import triton.language as tl
 SEGMENT_RANGE_INTS = ["seg_stride_qb", "seg_stride_kb", "seqlen_q", "seqlen_k", "num_tiles"]
 # Ints per tile in RANGES (plan.segment_ranges_first sizes the output with it).
 RANGE_FIELDS = tl.constexpr(4)
+# Ints per other tile in TILE_IDS: its (min, max) id.
+TILE_ID_FIELDS = tl.constexpr(2)
 
 
 @triton.jit
@@ -49,11 +57,13 @@ def _id_ranges(ROW, starts, length, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=SEGMENT_RANGE_INTS)
-def segment_ranges_kernel(QSEG, KSEG, seg_stride_qb, seg_stride_kb, seqlen_q, seqlen_k, num_tiles, RANGES,
-                          BLOCK_OWN: tl.constexpr, BLOCK_OTHER: tl.constexpr, OWN_IS_QUERY: tl.constexpr,
-                          CHUNK_TILES: tl.constexpr):
+def segment_ranges_kernel(QSEG, KSEG, TILE_IDS, seg_stride_qb, seg_stride_kb, seqlen_q, seqlen_k, num_tiles,
+                          RANGES, BLOCK_OWN: tl.constexpr, BLOCK_OTHER: tl.constexpr, OWN_IS_QUERY: tl.constexpr,
+                          CHUNK_TILES: tl.constexpr, FROM_TILE_IDS: tl.constexpr):
     """One program per own tile; the other axis is read CHUNK_TILES tiles at a time, each chunk's tiles reduced
-    together (a loop over single tiles was a chain of dependent loads: 40 us at 16k tokens)."""
+    together (a loop over single tiles was a chain of dependent loads: 40 us at 16k tokens).  FROM_TILE_IDS:
+    each other tile's [min, max] ids are read from TILE_IDS (segment_tile_ids_kernel) rather than reduced
+    from its ids."""
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     if OWN_IS_QUERY:
@@ -75,8 +85,14 @@ def segment_ranges_kernel(QSEG, KSEG, seg_stride_qb, seg_stride_kb, seqlen_q, se
         run_closed = 0
         for first in range(0, other_len, CHUNK_TILES * BLOCK_OTHER):
             starts = first + tl.arange(0, CHUNK_TILES) * BLOCK_OTHER
-            other_min, other_max = _id_ranges(OTHER, starts, other_len, BLOCK_OTHER)
             inside = starts < other_len
+            if FROM_TILE_IDS:
+                other_tiles = (other_len + BLOCK_OTHER - 1) // BLOCK_OTHER   # (tl.cdiv: see _lowest)
+                tiles = TILE_IDS + (b * other_tiles + starts // BLOCK_OTHER) * TILE_ID_FIELDS
+                other_min = tl.load(tiles, mask=inside, other=0)
+                other_max = tl.load(tiles + 1, mask=inside, other=0)
+            else:
+                other_min, other_max = _id_ranges(OTHER, starts, other_len, BLOCK_OTHER)
             shared = inside & (other_max >= own_min) & (other_min <= own_max)
             lo = tl.minimum(lo, _lowest(tl.where(shared, starts, NONE), 0))
             hi = tl.maximum(hi, _highest(tl.where(shared, starts + BLOCK_OTHER, 0), 0))
@@ -98,6 +114,19 @@ def segment_ranges_kernel(QSEG, KSEG, seg_stride_qb, seg_stride_kb, seqlen_q, se
     tl.store(out + 1, hi)
     tl.store(out + 2, pure_lo)
     tl.store(out + 3, pure_hi)
+
+
+@triton.jit(do_not_specialize=["seg_stride_b", "length", "num_tiles"])
+def segment_tile_ids_kernel(SEG, seg_stride_b, length, num_tiles, TILE_IDS, BLOCK: tl.constexpr,
+                            TILES: tl.constexpr):
+    """TILE_IDS[b, tile] = the (min, max) of the tile's ids inside the sequence, for tiles of BLOCK ids, TILES
+    tiles a program: what segment_ranges_kernel reduces a tile to when it reads the ids themselves."""
+    tiles = tl.program_id(0) * TILES + tl.arange(0, TILES)
+    b = tl.program_id(1).to(tl.int64)
+    lowest, highest = _id_ranges(SEG + b * seg_stride_b, tiles * BLOCK, length, BLOCK)
+    out = TILE_IDS + (b * num_tiles + tiles) * TILE_ID_FIELDS
+    tl.store(out, lowest, mask=tiles < num_tiles)
+    tl.store(out + 1, highest, mask=tiles < num_tiles)
 
 
 @triton.jit(do_not_specialize=["total", "num_seqs", "max_seqlen"])
