@@ -229,20 +229,21 @@ def compressed_launches(seqlen: int, block_size: int) -> CompressedLaunches:
 
 
 class PackedCompressed(NamedTuple):
-    """The compressed branch of packed sequences as compressed_launches' three launches, each one varlen
-    call for all the sequences (packed_compressed).  Rows count tokens from the first sequence's start;
-    tables are int32 (sequences + 1,)."""
+    """The compressed branch of packed sequences as compressed_launches' three launches, each one call for all
+    the sequences (packed_compressed).  Rows count tokens from the first sequence's start; tables are int32
+    (sequences + 1,)."""
 
     body_rows: Optional[np.ndarray]   # the tokens of every sequence's whole blocks, in order (None: all tokens)
     tail_rows: np.ndarray             # the tokens after each sequence's last whole block
     order: Optional[np.ndarray]       # each token's row in body_rows + tail_rows (None: no tails)
     last_rows: np.ndarray             # the last token of every whole block
-    prev_blocks: np.ndarray           # the pooled rows of each sequence's blocks but its last: the folded keys
+    fold_keys: np.ndarray             # the folded launch's key rows: block p's pooled row p - 1 (p at a first block)
+    fold_q_ids: np.ndarray            # (1, blocks) int32 segment ids of the folded queries: 2s + 1 in sequence s
+    fold_kv_ids: np.ndarray           # (1, blocks) of its keys: 2s + 1, 2s at each sequence's first block
     cu_blocks: np.ndarray             # pooled blocks (and folded query rows, and last rows) per sequence
-    cu_prev: np.ndarray               # prev_blocks per sequence
     cu_tail: np.ndarray               # tail_rows per sequence
     max_blocks: int
-    max_prev: int
+    max_prev: int                     # the most pooled blocks a folded query row sees
     max_tail: int
 
 
@@ -253,13 +254,18 @@ def packed_compressed(cu_seqlens_values: Sequence[int], block_size: int) -> Pack
 
 @functools.lru_cache(maxsize=64)
 def _packed_layout(cu_seqlens_values: Tuple[int, ...], block_size: int) -> PackedCompressed:
-    """The gathers and varlen tables that run the compressed branch of packed sequences (the table's values,
-    starting at 0) as compressed_launches runs one sequence, with one launch each for all of them: the
-    bodies' tokens (gathered where tails sit between them) pooled as one sequence of whole blocks and
-    folded against each sequence's tiled pooled keys but its last; each block's last token against its
-    sequence's pooled keys (causal); the tails against them (not causal).  A launch per sequence took
-    ~0.9 ms of host time each (64 sequences of 1k tokens: 59 ms a forward against 4.5 ms as a batch,
-    benchmarks/host_nsa.py --varlen)."""
+    """The gathers, varlen tables and segment ids that run the compressed branch of packed sequences (the
+    table's values, starting at 0) as compressed_launches runs one sequence, with one launch each for all of
+    them: the bodies' tokens (gathered where tails sit between them) pooled as one sequence of whole blocks;
+    folded against the tiled pooled keys shifted one block, as one packed sequence with segment ids
+    (causal, so folded query block p sees key rows up to p: its sequence's blocks before it, and at
+    its sequence's first block a key row whose id no query holds); each block's last token against its
+    sequence's pooled keys (causal); the tails against them (not causal).  As documents the folded launch
+    is one dense row that the Gluon forward takes, where a varlen one (the queries' and keys' tables
+    differ) ran the portable kernel: 0.48 ms of a 7.4 ms forward for 8 sequences of 8k tokens at group 4,
+    and with more sequences than a varlen grid holds, launches per group of sequences joined by a copy.
+    A launch per sequence took ~0.9 ms of host time each (64 sequences of 1k tokens: 59 ms a forward
+    against 4.5 ms as a batch, benchmarks/host_nsa.py --varlen)."""
     cu = np.asarray([int(c) for c in cu_seqlens_values], np.int64)
     lengths = cu[1:] - cu[:-1]
     blocks = lengths // block_size
@@ -284,18 +290,28 @@ def _packed_layout(cu_seqlens_values: Tuple[int, ...], block_size: int) -> Packe
     # block i of sequence s ends at token cu[s] + (i + 1) * block_size - 1
     last_rows = (np.repeat(cu[:-1], blocks) + (np.arange(blocks.sum()) - np.repeat(cu_blocks[:-1], blocks) + 1)
                  * block_size - 1)
+    # Ids rise along the pack (tight segment ranges); a first block's key row holds its own block, masked by id.
+    first = np.zeros(int(cu_blocks[-1]), bool)
+    first[cu_blocks[:-1][blocks > 0]] = True
+    q_ids = (2 * np.repeat(np.arange(len(blocks)), blocks) + 1).astype(np.int32)
     return PackedCompressed(
         body_rows=body_rows - cu[0] if tails else None, tail_rows=tail_rows - cu[0], order=order,
-        last_rows=last_rows - cu[0], prev_blocks=runs(cu_blocks[:-1].astype(np.int64), prev),
-        cu_blocks=cu_blocks, cu_prev=table(prev), cu_tail=table(tail), max_blocks=int(blocks.max(initial=0)),
-        max_prev=int(prev.max(initial=0)), max_tail=int(tail.max(initial=0)))
+        last_rows=last_rows - cu[0], fold_keys=np.arange(len(first)) - ~first, fold_q_ids=q_ids[None],
+        fold_kv_ids=(q_ids - first)[None].astype(np.int32), cu_blocks=cu_blocks, cu_tail=table(tail),
+        max_blocks=int(blocks.max(initial=0)), max_prev=int(prev.max(initial=0)), max_tail=int(tail.max(initial=0)))
+
+
+def packed_sequences_per_launch(heads_q: int) -> int:
+    """Sequences per launch of the packed compressed branch: its varlen launches (the tails', and the blocks'
+    last tokens' where they do not run as documents) hold sequences * Hq programs on a grid's y axis."""
+    return max(1, MAX_GRID_Y // heads_q)
 
 
 def sequence_groups(cu_seqlens_values: Sequence[int], heads_q: int, block_size: int) -> List[Tuple[int, int]]:
-    """[(first, end)] sequence indices of the compressed branch's varlen launches: at most
-    compressed_batch_rows sequences each (a varlen grid holds sequences * folded heads on its y axis)."""
+    """[(first, end)] sequence indices of the compressed branch's packed launches: at most
+    packed_sequences_per_launch sequences each."""
     n = len(cu_seqlens_values) - 1
-    rows = compressed_batch_rows(heads_q, block_size)
+    rows = packed_sequences_per_launch(heads_q)
     return [(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 

@@ -224,7 +224,7 @@ def _compressed(query, key, value, block_size: int, scale: float, backend: str, 
 def _compressed_packed(query, key, value, cu: list, block_size: int, scale: float, backend: str,
                        deterministic: bool):
     """Compressed branch of packed sequences (query (1, T, Hq, D) holding them, cu their table from 0), as
-    the torch front end's _compressed_packed: one varlen launch each for all of them (nsa.packed_compressed).
+    the torch front end's _compressed_packed: one launch each for all of them (nsa.packed_compressed).
     (out (1, T, Hq, Dv), lse (1, Hq, T) or None, pooled keys or None, the pooled blocks' table)."""
     lay = checks.packed_compressed(cu, block_size)
     (t, hq, d), dv = query.shape[1:], value.shape[-1]
@@ -237,12 +237,13 @@ def _compressed_packed(query, key, value, cu: list, block_size: int, scale: floa
     attend = functools.partial(flash_attention_varlen, softmax_scale=scale, return_lse=True, backend=backend,
                                deterministic=deterministic)
     if lay.max_prev > 0:
-        def tiled(x):   # (prev blocks, bs * H, D): each sequence's pooled blocks but its last, once per phase
-            x = x[0, lay.prev_blocks]
-            return jnp.broadcast_to(x[:, None], (x.shape[0], block_size, *x.shape[1:])).reshape(x.shape[0], -1,
-                                                                                               x.shape[-1])
-        out, lse = attend(q_body.reshape(n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp), cu_blocks,
-                          jnp.asarray(lay.cu_prev), lay.max_blocks, lay.max_prev, causal=True)
+        def tiled(x):   # (1, blocks, bs * H, D): the pooled blocks shifted one block, once per phase
+            x = x[0, lay.fold_keys]
+            return jnp.broadcast_to(x[:, None], (n, block_size, *x.shape[1:])).reshape(1, n, -1, x.shape[-1])
+        out, lse = flash_attention(q_body.reshape(1, n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp),
+                                   causal=True, q_segment_ids=jnp.asarray(lay.fold_q_ids),
+                                   kv_segment_ids=jnp.asarray(lay.fold_kv_ids), softmax_scale=scale,
+                                   return_lse=True, backend=backend, deterministic=deterministic)
         out = out.reshape(n * block_size, hq, dv)
         lse = jnp.transpose(lse.reshape(block_size, hq, n), (1, 2, 0)).reshape(hq, n * block_size)
     else:   # one block a sequence at most: only its last token sees it
@@ -336,7 +337,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     "auto".
 
     With cu_seqlens, the compressed branch and the selection are laid out from the table's values (triton:
-    one varlen launch each for all the sequences, nsa.packed_compressed; xla: per sequence), so they need a
+    one launch each for all the sequences, nsa.packed_compressed; xla: per sequence), so they need a
     concrete array, not a traced one; the selected and sliding branches take it traced.
     """
     counts_array = block_counts if hasattr(block_counts, "shape") and len(block_counts.shape) else None
@@ -355,7 +356,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
-        # (triton: packed sequences one varlen launch each, as torch; xla: per sequence)
+        # (triton: packed sequences one launch each, as torch; xla: per sequence)
         parts = (checks.compressed_parts(cu_values, t, query.shape[2], block_size) if backend == "triton"
                  else [(lo, hi, None) for lo, hi in checks.sequences(cu_values, t)])
         for lo, hi, cu in parts:

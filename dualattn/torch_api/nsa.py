@@ -364,10 +364,10 @@ def _packed_rows(cu: Tuple[int, ...], block_size: int, device: torch.device) -> 
     once per table: every NSA layer of a step packs the same sequences.  Never written."""
     lay = checks.packed_compressed(cu, block_size)
     arrays = {"cu_seqlens": _device_table(cu, device)}
-    for name in ("body_rows", "tail_rows", "order", "last_rows", "prev_blocks"):
+    for name in ("body_rows", "tail_rows", "order", "last_rows", "fold_keys", "fold_q_ids", "fold_kv_ids"):
         a = getattr(lay, name)
         arrays[name] = None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
-    for name in ("cu_blocks", "cu_prev", "cu_tail"):
+    for name in ("cu_blocks", "cu_tail"):
         arrays[name] = host_table(getattr(lay, name).tolist(), device)
     return arrays
 
@@ -375,8 +375,8 @@ def _packed_rows(cu: Tuple[int, ...], block_size: int, device: torch.device) -> 
 def _compressed_packed(query, key, value, cu: list, block_size: int, scale: float, deterministic: bool):
     """Compressed branch of packed sequences (query (1, T, Hq, D) holding them, cu their table from 0):
     (out (1, T, Hq, Dv), lse (1, Hq, T) or None, pooled keys (1, blocks, Hkv, D) or None, the pooled
-    blocks' table), as _compressed's launches, each one varlen call for every sequence
-    (nsa.packed_compressed)."""
+    blocks' table), as _compressed's launches, each one call for every sequence: the folded one with
+    segment ids, the others varlen (nsa.packed_compressed)."""
     lay = checks.packed_compressed(cu, block_size)
     device, (t, hq, d), dv = query.device, query.shape[1:], value.shape[-1]
     rows = _packed_rows(tuple(cu), block_size, device)
@@ -393,13 +393,14 @@ def _compressed_packed(query, key, value, cu: list, block_size: int, scale: floa
     attend = functools.partial(flash_attn_varlen_func, softmax_scale=scale, return_lse=True,
                                deterministic=deterministic)
     if lay.max_prev > 0:
-        prev = rows["prev_blocks"]
+        keys = rows["fold_keys"]
 
-        def tiled(x):   # (prev blocks, bs * H, D): each sequence's pooled blocks but its last, once per phase
-            x = x[0, prev]
-            return x[:, None].expand(x.shape[0], block_size, *x.shape[1:]).reshape(x.shape[0], -1, x.shape[-1])
-        out, lse = attend(qb.reshape(n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp), cu_blocks,
-                          rows["cu_prev"], lay.max_blocks, lay.max_prev, causal=True)
+        def tiled(x):   # (1, blocks, bs * H, D): the pooled blocks shifted one block, once per phase
+            x = x[0, keys]
+            return x[:, None].expand(n, block_size, *x.shape[1:]).reshape(1, n, -1, x.shape[-1])
+        out, lse = flash_attention(qb.reshape(1, n, block_size * hq, d), tiled(k_cmp), tiled(v_cmp), causal=True,
+                                   q_segment_ids=rows["fold_q_ids"], kv_segment_ids=rows["fold_kv_ids"],
+                                   softmax_scale=scale, return_lse=True, deterministic=deterministic)
         out = out.reshape(n * block_size, hq, dv)
         lse = lse.view(block_size, hq, n).permute(1, 2, 0).reshape(hq, n * block_size)
     else:   # one block a sequence at most: only its last token sees it

@@ -78,7 +78,7 @@ def test_native_sparse_attention(rng, backend):
 
 
 def test_native_sparse_attention_many_sequences_triton(rng):
-    """Packed sequences through one varlen launch each (nsa.packed_compressed): one shorter than a block, an
+    """Packed sequences through one launch each (nsa.packed_compressed): one shorter than a block, an
     empty one, whole blocks only, tails; chosen blocks, output and gradients against the reference."""
     cu = np.array([0, 10, 42, 58, 58, 80, 128], np.int32)
     q, k, v, _, _ = _inputs(rng, 128, 2, 1, 16, 2, 16)

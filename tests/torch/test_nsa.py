@@ -332,12 +332,12 @@ def test_native_sparse_attention_varlen(torch_gen):
 
 @pytest.mark.parametrize("groups_of", [None, 2])
 def test_native_sparse_attention_many_sequences(torch_gen, monkeypatch, groups_of):
-    """Packed sequences run the compressed branch and the selection as one varlen call each
+    """Packed sequences run the compressed branch and the selection as one call each
     (nsa.packed_compressed): sequences shorter than a block, of whole blocks only, of one block and a
     tail, an empty one; with groups_of, the launches cut into groups of two sequences
     (nsa.sequence_groups).  Forward, chosen blocks and gradients against the reference."""
     if groups_of is not None:
-        monkeypatch.setattr(nsa_checks, "compressed_batch_rows", lambda heads_q, block_size: groups_of)
+        monkeypatch.setattr(nsa_checks, "packed_sequences_per_launch", lambda heads_q: groups_of)
     cu = torch.tensor([0, 10, 42, 58, 58, 80, 128], dtype=torch.int32)
     q, k, v = qkv(torch_gen, 1, 128, 2, 1, 16)
     check_nsa(q, k, v, _gates(torch_gen, 1, 128, 2), FP32_TOL, block_counts=2, block_size=16, window_size=10,
