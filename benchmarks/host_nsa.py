@@ -15,6 +15,8 @@ blocks, window 512, bench_nsa.py's inputs, no gradients).
     python benchmarks/host_nsa.py --varlen --jax [...]  the same, and JAX's backend "triton" in the same run
                                                        (jitted, cu_seqlens a constant; back-to-back calls
                                                        and one wait)
+    python benchmarks/host_nsa.py --varlen --train [...]  a training step (the forward and the gradients of
+                                                       q, k, v and the gates), packed against batch
 
 Per (T, group): the host's ms per call (30 back-to-back calls, before the wait), the wall ms per call,
 the device ms per call (torch.profiler, kernels and copies), and the wall ms per replay of one captured
@@ -134,10 +136,10 @@ def measure_train(seqlen: int, group: int, calls: int = 30) -> dict:
 
 
 def measure_varlen(total: int, group: int, sequences: int, calls: int = 10, with_jax: bool = False,
-                   kernels: bool = False) -> dict:
+                   kernels: bool = False, train: bool = False) -> dict:
     """The forward of `sequences` equal sequences packed into `total` tokens (cu_seqlens, on the GPU) against
     the same tokens as a batch of `sequences` rows: host and wall ms per call, and the host synchronisations
-    of a call after the first (which reads the table's values)."""
+    of a call after the first (which reads the table's values).  `train`: a training step instead (torch)."""
     gen = torch.Generator().manual_seed(0)
     heads_kv, head_dim = 4, 128
     hq, each = heads_kv * group, total // sequences
@@ -152,6 +154,17 @@ def measure_varlen(total: int, group: int, sequences: int, calls: int = 10, with
     def batched(x):
         return x.reshape(sequences, each, *x.shape[2:])
     row = dict(total=total, group=group, sequences=sequences)
+    if train:
+        inputs = [x.requires_grad_() for x in (q, k, v, *gates)]
+        dout = rand(1, total, hq, head_dim)
+        for name, fn in (("varlen", lambda: dt.native_sparse_attention(*inputs, cu_seqlens=cu, **opts)),
+                         ("batch", lambda: dt.native_sparse_attention(*map(batched, inputs), **opts))):
+            def step(fn=fn):
+                return torch.autograd.grad(fn().reshape(dout.shape), inputs, dout)
+            row[f"train_{name}_host_ms"], row[f"train_{name}_wall_ms"] = _wall_ms(step, calls)
+            if kernels:
+                row[f"{name}_kernel_ms"] = kernel_times(step)
+        return row
     with torch.no_grad():
         packed = dt.native_sparse_attention(q, k, v, *gates, cu_seqlens=cu, **opts)
         batch = dt.native_sparse_attention(*map(batched, (q, k, v, *gates)), **opts)
@@ -212,7 +225,7 @@ def main(argv):
     if varlen:
         numbers = numbers or [65536, 4, 8, 65536, 4, 64]
         for total, group, sequences in zip(numbers[::3], numbers[1::3], numbers[2::3]):
-            row = measure_varlen(total, group, sequences, with_jax=with_jax, kernels=kernels)
+            row = measure_varlen(total, group, sequences, with_jax=with_jax, kernels=kernels, train=train)
             tables = {name: row.pop(f"{name}_kernel_ms") for name in ("varlen", "batch") if kernels}
             print(row, flush=True)
             if tables:

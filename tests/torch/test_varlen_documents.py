@@ -134,6 +134,25 @@ def test_plan_runs_the_backward_of_one_table_as_segment_ids_on_the_one_pass_kern
     assert _plan(backward=True, causal=True).dkdv.chain[0].kernel not in ROUTE
 
 
+def test_long_packs_of_short_sequences_take_the_one_pass_backward(monkeypatch):
+    """hopper.ONE_PASS_MAX_KEYS caps the one-pass backward's fp32 dQ accumulator by the longest sequence: a pack
+    of 64k tokens in sequences of 8k holds the accumulator of the same 8 x 8k as a batch, which takes the one-pass
+    kernel, so the pack does too; a 64k-token sequence, alone or as a batch row, keeps the two-pass kernels."""
+    set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, None)
+    pack = _plan(shapes=_shapes(total=65536, max_seqlen=8192, seqs=8), backward=True, causal=True)
+    assert pack.dkdv.chain[0].kernel == ROUTE[0] and pack.dkdv.chain[-1].kernel == "flash_bwd_one_pass_kernel"
+    one = _plan(shapes=_shapes(total=65536, max_seqlen=65536, seqs=1), backward=True, causal=True)
+    assert one.dkdv.chain[0].kernel not in ROUTE and one.dkdv.chain[-1].kernel != "flash_bwd_one_pass_kernel"
+    for batch, seqlen, one_pass in ((8, 8192, True), (1, 65536, False)):
+        shapes = FlashShapes(batch, seqlen, seqlen, 8, 2, 128, 128, "bfloat16")
+        strides = {n: row_major_strides((batch, seqlen, h, 128)) for n, h in
+                   (("query", 8), ("key", 2), ("value", 2), ("out", 8))}
+        bwd = flash_plan.plan_backward(shapes, FlashOptions.build(head_dim=128, causal=True), strides,
+                                       config=flash_plan.default_config(shapes, interpret=False),
+                                       warp_specialize=True, gluon=True, num_sms=132)
+        assert (bwd.dkdv.chain[-1].kernel == "flash_bwd_one_pass_kernel") == one_pass, (batch, seqlen)
+
+
 # (table, packed tokens): an empty sequence, tokens past the last sequence
 TABLES = [([0, 50, 50, 140, 200], 220), ([0, 0, 90, 90, 150], 150), ([0, 64, 128, 192, 256], 256)]
 
@@ -172,9 +191,16 @@ def test_one_table_as_segment_ids_matches_varlen(monkeypatch, seed, opts):
             assert_close_rel(g, r, 1e-4, name)
 
 
+# (table, packed tokens): a short pack; one longer than hopper.ONE_PASS_MAX_KEYS of sequences within it (the
+# one-pass backward's memory cap counts the longest sequence), whose segment ranges come from tile ids
+PACKS = {"short": ([0, 3000, 4300, 4300, 4817, 5011], 5100),
+         "long": ([0, 12000, 20500, 20500, 31017, 38000, 40500], 40600)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, causal", [(128, True), (64, True), (128, False)])
-def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal):
+@pytest.mark.parametrize("d, causal, pack", [(128, True, "short"), (64, True, "short"), (128, False, "short"),
+                                             (128, True, "long")])
+def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal, pack):
     """On sm_90 (the forward by default from D = 128, the backward at every head dim): packed documents of ragged
     lengths, an empty one, the last ending inside a tile and tokens past it, against the float64 varlen reference,
     forward and backward (the one-pass kernel)."""
@@ -184,17 +210,20 @@ def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal):
     set_switch(monkeypatch, flash_plan.VARLEN_DOCUMENTS_ENV, "1" if d < 128 else None)
     chains = spy_chains(monkeypatch)
     backward_chains = spy_chains(monkeypatch, "plan_backward")
-    cu, total = [0, 3000, 4300, 4300, 4817, 5011], 5100
+    cu, total = PACKS[pack]
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
     table = torch.tensor(cu, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(total, 8, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    heads = 8 if pack == "short" else 4
+    q = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(total, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_varlen_func(*leaves, table, table, 3000, 3000, causal=causal, return_lse=True)
+    out, lse = flash_attn_varlen_func(*leaves, table, table, longest, longest, causal=causal, return_lse=True)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert chains[-1] == ROUTE + ["flash_fwd_gluon_kernel"], chains
-    assert backward_chains[-1] == ROUTE + ["flash_bwd_one_pass_kernel"], backward_chains
+    route = ROUTE if pack == "short" else [ROUTE[0], "segment_tile_ids_kernel", ROUTE[1]]
+    assert chains[-1] == route + ["flash_fwd_gluon_kernel"], chains
+    assert backward_chains[-1] == route + ["flash_bwd_one_pass_kernel"], backward_chains
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, causal=causal)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout[:cu[-1]].double())

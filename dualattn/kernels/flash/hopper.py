@@ -268,8 +268,8 @@ ONE_PASS_MAX_KEYS = 32768
 
 
 def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[SparseInfo], strides,
-                      constexprs, flag: Optional[str] = None,
-                      bias_grad: bool = True) -> Optional[Tuple[int, int, int, int, int]]:
+                      constexprs, flag: Optional[str] = None, bias_grad: bool = True,
+                      sequence_keys: int = 0) -> Optional[Tuple[int, int, int, int, int]]:
     """The one-pass backward's ONE_PASS_TILES entry where a problem qualifies, else None.
 
     What the Gluon kernels need (_warp_specializable: 16-bit inputs, TMA-legal strides, no
@@ -281,7 +281,9 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     (Sq % 4 == 0, which _warp_specializable checks).  GQA reads a group's query heads as one row of G * D columns,
     so there query and out need head stride == head dim.  Sinks qualify: they change only lse and
     the preprocess's dsinks.  Where it pays and memory allows: ONE_PASS_MIN_KEYS (at D = 256 and padded head
-    dims ONE_PASS_MIN_KEYS_WIDE_OR_PADDED) <= Sk <= ONE_PASS_MAX_KEYS.  A bias or an attention mask qualifies
+    dims ONE_PASS_MIN_KEYS_WIDE_OR_PADDED) <= Sk and the longest sequence's keys <= ONE_PASS_MAX_KEYS: Sk, or
+    `sequence_keys` for a pack of sequences of at most that many (a varlen call run as documents), whose
+    accumulator is that of the same sequences as a batch.  A bias or an attention mask qualifies
     as in the Gluon forward (score_tiles_copyable; fit.backward checks the shared memory), a bias only where no dbias is
     wanted (bias_grad off: dS is not written out).  Dropout qualifies (the forward's hash, per tile).
     flag: DUALATTN_ONE_PASS, "0" / "1" turn it off /
@@ -291,7 +293,8 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
     if flag == "0" or tile is None or shapes.head_dim_v != shapes.head_dim:
         return None
     min_keys = ONE_PASS_MIN_KEYS if shapes.head_dim in (64, 128) else ONE_PASS_MIN_KEYS_WIDE_OR_PADDED
-    if flag != "1" and not min_keys <= shapes.seqlen_k <= ONE_PASS_MAX_KEYS:
+    longest = sequence_keys or shapes.seqlen_k
+    if flag != "1" and not (min_keys <= shapes.seqlen_k and longest <= ONE_PASS_MAX_KEYS):
         return None
     if options.window_right not in (None, 0) or (options.window_left is not None and options.window_right != 0):
         return None

@@ -489,7 +489,8 @@ def varlen_backward_as_documents(shapes: FlashShapes, options: FlashOptions, str
     if problem is None or (flag != "1" and (not plan_kwargs.get("gluon") or plan_kwargs.get("deterministic"))):
         return None
     dense, dense_strides = problem
-    plan = plan_backward(dense, options, dense_strides, env=env, **plan_kwargs)
+    # (the one-pass rule's memory cap counts the longest sequence, as for the same sequences as a batch)
+    plan = plan_backward(dense, options, dense_strides, env=env, sequence_keys=shapes.seqlen_k, **plan_kwargs)
     if plan.dkdv.chain[-1].kernel != "flash_bwd_one_pass_kernel" and flag != "1":
         return None
     # (the dense preprocess reads out, dO and lse as the varlen one would: batch 1 of the packed length)
@@ -588,7 +589,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
                   config: FlashConfig, diag_shift: int = 0, sparse: Optional[SparseInfo] = None,
                   tma: bool = False, lse_grad: bool = False, warp_specialize: bool = False, num_sms: int = 0,
                   gluon: bool = False, deterministic: bool = False, hardware_tanh: bool = False,
-                  bias_grad: bool = True, same_tables: bool = False,
+                  bias_grad: bool = True, same_tables: bool = False, sequence_keys: int = 0,
                   env: switches.Switches = switches.Switches()) -> BackwardPlan:
     """The three backward launches.  `strides` must include 'out' (also used for dout).
 
@@ -605,6 +606,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     bias_grad: the caller wants dbias (a bias that needs its gradient).  Without it no (B, Hq, Sq, Sk)
     float32 dbias is zero-filled and written: 4 bytes per score, twice.
     same_tables: as plan_forward's (varlen_backward_as_documents).
+    sequence_keys: the problem is a pack of sequences of at most this many keys (varlen_backward_as_documents),
+    which the one-pass rule's memory cap counts (hopper.one_pass_backward).
     """
     if same_tables:
         documents = varlen_backward_as_documents(
@@ -651,7 +654,7 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
     hopper = sparse is not None or env.get(ONE_PASS_ENV) == "1" or not short_window_backward(shapes, options,
                                                                                             constexprs)
     one_pass = one_pass_backward(shapes, options, sparse, strides, constexprs, env.get(ONE_PASS_ENV),
-                                 bias_grad) if gluon and hopper and not deterministic else None
+                                 bias_grad, sequence_keys) if gluon and hopper and not deterministic else None
     if one_pass is not None:
         dkdv, dq = _one_pass_launches(shapes, options, scalar, strides, q_shape, k_shape, v_shape, diag_shift,
                                       one_pass, num_sms, env.get(PERSISTENT_ENV), const["SOFTCAP"], sparse)
