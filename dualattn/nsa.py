@@ -307,7 +307,7 @@ def packed_sequences_per_launch(heads_q: int) -> int:
     return max(1, MAX_GRID_Y // heads_q)
 
 
-def sequence_groups(cu_seqlens_values: Sequence[int], heads_q: int, block_size: int) -> List[Tuple[int, int]]:
+def sequence_groups(cu_seqlens_values: Sequence[int], heads_q: int) -> List[Tuple[int, int]]:
     """[(first, end)] sequence indices of the compressed branch's packed launches: at most
     packed_sequences_per_launch sequences each."""
     n = len(cu_seqlens_values) - 1
@@ -315,8 +315,8 @@ def sequence_groups(cu_seqlens_values: Sequence[int], heads_q: int, block_size: 
     return [(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
-def compressed_parts(cu_seqlens_values: Optional[Sequence[int]], total: int, heads_q: int,
-                     block_size: int) -> List[Tuple[int, int, Optional[List[int]]]]:
+def compressed_parts(cu_seqlens_values: Optional[Sequence[int]], total: int,
+                     heads_q: int) -> List[Tuple[int, int, Optional[List[int]]]]:
     """[(lo, hi, table)] token ranges of the compressed branch's calls: the whole axis (table None) without
     varlen or for one sequence; else groups of packed sequences (sequence_groups), each with its table
     counted from lo (packed_compressed)."""
@@ -326,7 +326,7 @@ def compressed_parts(cu_seqlens_values: Optional[Sequence[int]], total: int, hea
     if len(cu) == 2:
         return [(cu[0], cu[1], None)]
     return [(cu[first], cu[end], [c - cu[first] for c in cu[first:end + 1]])
-            for first, end in sequence_groups(cu, heads_q, block_size)]
+            for first, end in sequence_groups(cu, heads_q)]
 
 
 def sequences(cu_seqlens_values: Optional[Sequence[int]], total: int) -> list:

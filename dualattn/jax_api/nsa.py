@@ -357,7 +357,7 @@ def native_sparse_attention(query, key, value, g_cmp=None, g_slc=None, g_swa=Non
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
         # (triton: packed sequences one launch each, as torch; xla: per sequence)
-        parts = (checks.compressed_parts(cu_values, t, query.shape[2], block_size) if backend == "triton"
+        parts = (checks.compressed_parts(cu_values, t, query.shape[2]) if backend == "triton"
                  else [(lo, hi, None) for lo, hi in checks.sequences(cu_values, t)])
         for lo, hi, cu in parts:
             part = query[:, lo:hi], key[:, lo:hi], value[:, lo:hi]

@@ -528,7 +528,7 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
-        for lo, hi, cu in checks.compressed_parts(cu_values, t, query.shape[2], block_size):
+        for lo, hi, cu in checks.compressed_parts(cu_values, t, query.shape[2]):
             part = query[:, lo:hi], key[:, lo:hi], value[:, lo:hi]
             if cu is None:
                 o, lse, k_cmp = _compressed(*part, block_size, scale, deterministic)
