@@ -323,30 +323,43 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
     dense flash launches (nsa.compressed_launches says how)."""
     b, t, hq, _ = query.shape
     rows = checks.compressed_batch_rows(hq, block_size)
-    if b > rows:
-        parts = [_compressed(query[i:i + rows], key[i:i + rows], value[i:i + rows], block_size, scale, deterministic)
-                 for i in range(0, b, rows)]
+    if b > rows:   # (split, not slices: see _token_parts)
+        parts = [_compressed(*part, block_size, scale, deterministic)
+                 for part in zip(*(torch.split(x, rows) for x in (query, key, value)))]
         return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
     n, body, tail = checks.compressed_launches(t, block_size)
     if n == 0:   # no complete block: no token sees any
         return _unseen(query, key, value), None, None
     k_cmp, v_cmp = _Pool.apply(key, value, block_size)
     attend = functools.partial(flash_attention, softmax_scale=scale, return_lse=True, deterministic=deterministic)
+    # (split, not slices: see _token_parts)
+    q_body, q_tail = torch.split(query, [body, tail], dim=1) if tail else (query, None)
     if n > 1:
         def tiled(x):   # (B, n - 1, bs * H, D): the first n - 1 pooled blocks, once per phase
             return x[:, :n - 1, None].expand(b, n - 1, block_size, *x.shape[2:]).reshape(b, n - 1, -1, x.shape[-1])
-        out, lse = attend(query[:, :body].reshape(b, n, block_size * hq, -1), tiled(k_cmp), tiled(v_cmp), causal=True)
+        out, lse = attend(q_body.reshape(b, n, block_size * hq, -1), tiled(k_cmp), tiled(v_cmp), causal=True)
         out = out.reshape(b, body, hq, -1)
         lse = lse.view(b, block_size, hq, n).permute(0, 2, 3, 1).reshape(b, hq, body)
     else:   # one block: only its last token sees it
         out = query.new_zeros(b, body, hq, value.shape[-1])
         lse = torch.full((b, hq, body), float("-inf"), device=query.device)
     if tail:
-        o_tail, lse_tail = attend(query[:, body:], k_cmp, v_cmp)
+        o_tail, lse_tail = attend(q_tail, k_cmp, v_cmp)
         out, lse = torch.cat([out, o_tail], 1), torch.cat([lse, lse_tail], 2)
     last = torch.arange(block_size - 1, body, block_size, device=query.device)
     o_last, lse_last = attend(query[:, block_size - 1:body:block_size], k_cmp, v_cmp, causal=True)
     return _rows_replaced(out, 1, last, o_last), _rows_replaced(lse, 2, last, lse_last), k_cmp
+
+
+def _token_parts(x: Tensor, parts: list) -> tuple:
+    """x's (B, hi - lo, ...) token ranges of `parts` ([(lo, hi, table)], nsa.compressed_parts).  Where they tile
+    the axis, as torch.split's views, whose backward writes the parts' gradients into one tensor once; a
+    slice's backward fills a zero tensor of x's size and copies its part in, and autograd then adds those
+    tensors, per part (1 GB each for q at T = 64k, Hq = 64)."""
+    sizes = [hi - lo for lo, hi, _ in parts]
+    if len(parts) > 1 and parts[0][0] == 0 and sum(sizes) == x.shape[1]:
+        return torch.split(x, sizes, dim=1)
+    return tuple(x[:, lo:hi] for lo, hi, _ in parts)
 
 
 def _unseen(query, key, value) -> Tensor:
@@ -383,7 +396,9 @@ def _compressed_packed(query, key, value, cu: list, block_size: int, scale: floa
     cu_blocks, n = rows["cu_blocks"], int(lay.cu_blocks[-1])
     if n == 0:   # no sequence has a whole block
         return _unseen(query, key, value), None, None, cu_blocks
-    q, k, v = query[0], key[0], value[0]
+    # squeeze, not [0]: the backward of a select allocates a zero tensor of the input's size and copies the
+    # gradient into it (two passes over 1 GB for q at T = 64k, Hq = 64), where a squeeze's is a view
+    q, k, v = query.squeeze(0), key.squeeze(0), value.squeeze(0)
     if lay.body_rows is not None:
         body = rows["body_rows"]
         qb, kb, vb = q[body], k[body], v[body]
@@ -528,8 +543,8 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
     o_cmp = o_slc = o_swa = None
     if g_cmp is not None or (block_indices is None and need_selection):
         outs, chosen = [], []
-        for lo, hi, cu in checks.compressed_parts(cu_values, t, query.shape[2]):
-            part = query[:, lo:hi], key[:, lo:hi], value[:, lo:hi]
+        parts = checks.compressed_parts(cu_values, t, query.shape[2])
+        for (_, _, cu), *part in zip(parts, *(_token_parts(x, parts) for x in (query, key, value))):
             if cu is None:
                 o, lse, k_cmp = _compressed(*part, block_size, scale, deterministic)
                 cu_seqs = cu_blocks = None
@@ -552,8 +567,9 @@ def native_sparse_attention(query: Tensor, key: Tensor, value: Tensor, g_cmp: Op
                                     softmax_scale=scale, deterministic=deterministic)
         else:
             longest = max(hi - lo for lo, hi in checks.sequences(cu_values, t))
-            o_swa = flash_attn_varlen_func(query[0], key[0], value[0], cu_seqlens, cu_seqlens, longest, longest,
-                                           causal=True, sliding_window=(window_size, 0), softmax_scale=scale,
+            o_swa = flash_attn_varlen_func(query.squeeze(0), key.squeeze(0), value.squeeze(0), cu_seqlens,
+                                           cu_seqlens, longest, longest, causal=True,
+                                           sliding_window=(window_size, 0), softmax_scale=scale,
                                            deterministic=deterministic)[None]
     out = _GatedSum.apply(query.dtype, g_cmp, o_cmp, g_slc, o_slc, g_swa, o_swa)
     return (out, block_indices) if return_block_indices else out

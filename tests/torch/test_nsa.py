@@ -678,6 +678,40 @@ def test_compressed_branch_in_batch_slices(torch_gen, monkeypatch):
         native_sparse_attention(q, k, v, g_cmp=torch.ones(1, 40, 2).expand(2, 40, 2), block_size=16)
 
 
+def _full_size_copies(out, leaf) -> list:
+    """The autograd nodes under `out` whose backward writes a zero tensor of `leaf`'s size and copies one part
+    of its gradient in (a select, or a contiguous slice): a pass over the whole of q per part, where a view
+    or torch.split's backward costs none.  (A strided slice, the blocks' last tokens, has no cheaper form.)"""
+    found, seen, stack = [], set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name in ("SelectBackward0", "SliceBackward0") and \
+                tuple(node._saved_self_sym_sizes) == tuple(leaf.shape) and getattr(node, "_saved_step", 1) == 1:
+            found.append(name)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def test_query_gradient_takes_no_per_part_copies(torch_gen, monkeypatch):
+    """The compressed branch's parts (batch slices past the grid limit, the tail after the whole blocks, packed
+    sequences) take q as views or torch.split's parts, never as slices or selects, whose backward fills a zero
+    q per part and adds them (1 GB a pass at T = 64k, Hq = 64)."""
+    import dualattn.nsa as checks
+    monkeypatch.setattr(checks, "MAX_GRID_Y", 40)
+    q, k, v = (x.requires_grad_() for x in qkv(torch_gen, 2, 40, 2, 1, 16))
+    gates = _gates(torch_gen, 2, 40, 2, "csw")
+    assert _full_size_copies(native_sparse_attention(q, k, v, *gates, block_counts=2, block_size=16,
+                                                     window_size=8), q) == []
+    packed = [x[:1].detach().requires_grad_() for x in (q, k, v, *gates)]
+    out = native_sparse_attention(*packed, block_counts=2, block_size=16, window_size=8,
+                                  cu_seqlens=torch.tensor([0, 21, 40], dtype=torch.int32))
+    assert _full_size_copies(out, packed[0]) == []
+
+
 @pytest.mark.parametrize("batch, seqlen", [(2, 150), (1, 20), (1, 32)])
 def test_compressed_branch_launches(torch_gen, batch, seqlen):
     """The compressed branch's three launches (nsa.compressed_launches): phase-folded whole blocks, the

@@ -198,12 +198,14 @@ PACKS = {"short": ([0, 3000, 4300, 4300, 4817, 5011], 5100),
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, causal, pack", [(128, True, "short"), (64, True, "short"), (128, False, "short"),
-                                             (128, True, "long")])
-def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal, pack):
+@pytest.mark.parametrize("d, causal, pack, window", [(128, True, "short", None), (64, True, "short", None),
+                                                     (128, False, "short", None), (128, True, "long", None),
+                                                     (128, True, "long", 512)])
+def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal, pack, window):
     """On sm_90 (the forward by default from D = 128, the backward at every head dim): packed documents of ragged
     lengths, an empty one, the last ending inside a tile and tokens past it, against the float64 varlen reference,
-    forward and backward (the one-pass kernel)."""
+    forward and backward (the one-pass kernel). The long pack with a window is NSA's sliding branch over packed
+    sequences."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is a kernel for sm_90 only")
     # D = 64 runs as documents only when asked (plan.varlen_as_documents); the kernels are the same
@@ -219,13 +221,14 @@ def test_gpu_one_table_runs_on_the_gluon_forward(monkeypatch, seed, d, causal, p
     k, v = (torch.randn(total, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_varlen_func(*leaves, table, table, longest, longest, causal=causal, return_lse=True)
+    opts = dict(causal=causal) if window is None else dict(sliding_window=(window, 0))
+    out, lse = flash_attn_varlen_func(*leaves, table, table, longest, longest, return_lse=True, **opts)
     grads = torch.autograd.grad(out, leaves, dout)
     route = ROUTE if pack == "short" else [ROUTE[0], "segment_tile_ids_kernel", ROUTE[1]]
     assert chains[-1] == route + ["flash_fwd_gluon_kernel"], chains
     assert backward_chains[-1] == route + ["flash_bwd_one_pass_kernel"], backward_chains
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, causal=causal)
+    ref_out, ref_lse = reference_varlen(*ref_leaves, table, table, **opts)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout[:cu[-1]].double())
     assert (out[cu[-1]:] == 0).all() and torch.isneginf(lse[:, cu[-1]:]).all()
     assert_close_rel(out[:cu[-1]], ref_out, 1e-2, "out")
