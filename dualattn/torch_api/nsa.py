@@ -352,14 +352,14 @@ def _compressed(query, key, value, block_size: int, scale: float, deterministic:
 
 
 def _token_parts(x: Tensor, parts: list) -> tuple:
-    """x's (B, hi - lo, ...) token ranges of `parts` ([(lo, hi, table)], nsa.compressed_parts).  Where they tile
-    the axis, as torch.split's views, whose backward writes the parts' gradients into one tensor once; a
-    slice's backward fills a zero tensor of x's size and copies its part in, and autograd then adds those
-    tensors, per part (1 GB each for q at T = 64k, Hq = 64)."""
-    sizes = [hi - lo for lo, hi, _ in parts]
-    if len(parts) > 1 and parts[0][0] == 0 and sum(sizes) == x.shape[1]:
-        return torch.split(x, sizes, dim=1)
-    return tuple(x[:, lo:hi] for lo, hi, _ in parts)
+    """x's (B, hi - lo, ...) token ranges of `parts` ([(lo, hi, table)], nsa.compressed_parts), which tile the
+    axis (check_native: cu_seqlens runs from 0 to the packed length): x itself for one, else torch.split's
+    views, whose backward writes the parts' gradients into one tensor once.  A slice's backward fills a zero
+    tensor of x's size and copies its part in, and autograd then adds those tensors, per part (1 GB each for
+    q at T = 64k, Hq = 64)."""
+    if len(parts) == 1:
+        return (x,)
+    return torch.split(x, [hi - lo for lo, hi, _ in parts], dim=1)
 
 
 def _unseen(query, key, value) -> Tensor:
