@@ -234,6 +234,64 @@ def test_plus_inf_sinks_share_the_lse_cotangent(rng, scale):
                              f"{backend} {name}")
 
 
+# Sinks with a NaN: (layout, sinks for Hq = 2, which heads turn NaN).
+_NAN_SINKS = {"one-per-head": ([float("nan"), 0.5], [True, False]),
+              "two-per-head": ([[0.3, -1.0], [float("nan"), 0.2]], [False, True]),
+              "shared": ([float("nan")], [True, True])}
+
+
+def _check_nan_sinks(out, lse, want, nan_heads, tol, name):
+    """Every row of a head with a NaN sink is NaN (out and lse), as the float64 softmax gives; the other
+    heads are the float64 reference."""
+    out, lse, want = np.asarray(out, np.float64), np.asarray(lse), np.asarray(want)
+    nan_heads = np.asarray(nan_heads)
+    assert np.isnan(want[:, :, nan_heads]).all() and np.isfinite(want[:, :, ~nan_heads]).all()
+    assert np.isnan(out[:, :, nan_heads]).all(), f"{name}: finite output in a head with a NaN sink"
+    assert np.isnan(lse[:, nan_heads]).all(), f"{name}: finite lse in a head with a NaN sink"
+    if (~nan_heads).any():
+        assert not np.isnan(lse[:, ~nan_heads]).any(), name
+        assert_close_rel(out[:, :, ~nan_heads], want[:, :, ~nan_heads], tol, name)
+
+
+@pytest.mark.parametrize("layout", list(_NAN_SINKS))
+def test_nan_sinks_propagate_in_every_backend(rng, layout):
+    """A NaN sink is a NaN in its head's softmax denominator: every backend gives NaN rows there (none
+    drops the sink, which would be a finite, wrong answer), the reference elsewhere.  Causal with more
+    queries than keys: rows with no visible key are NaN too (the sink still joins them)."""
+    sinks, nan_heads = _NAN_SINKS[layout]
+    sinks = torch.tensor(sinks)
+    q, k, v = _qkv(rng, 1, 24, 20)
+    want = reference_attention(q, k, v, softmax_aux=sinks, causal=True)[0]
+    out, lse = dt.flash_attention(q, k, v, softmax_aux=sinks, causal=True, return_lse=True)
+    _check_nan_sinks(out, lse, want, nan_heads, 1e-5, "torch")
+    qj, kj, vj, sj = _jax(q, k, v, sinks)
+    for backend in ("triton", "xla", "pallas"):
+        out, lse = dj.flash_attention(qj, kj, vj, softmax_aux=sj, causal=True, return_lse=True, backend=backend)
+        _check_nan_sinks(out, lse, want, nan_heads, JAX_TOL, f"jax {backend}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 100, 4, 64), (1, 1024, 4, 128)], ids=["portable", "large"])
+@pytest.mark.parametrize("layout", ["one-per-head", "two-per-head"])
+def test_gpu_nan_sinks_propagate(rng, shape, layout):
+    """On the GPU: the portable forward and, at 1024 tokens and d = 128 in bf16 on sm_90, the Gluon
+    forward (which joins the sinks after its loop) give NaN in the heads with a NaN sink."""
+    b, s, hq, d = shape
+    dtype = torch.float32 if s < 1000 else torch.bfloat16
+    sinks, nan_heads = _NAN_SINKS[layout]
+    sinks = torch.tensor(sinks * (hq // 2), device="cuda")
+    nan_heads = nan_heads * (hq // 2)
+    q, k, v = (torch.from_numpy(rng.standard_normal((b, s, hq, d)).astype(np.float32)).to("cuda", dtype)
+               for _ in range(3))
+    want = reference_attention(q.cpu(), k.cpu(), v.cpu(), softmax_aux=sinks.cpu(), causal=True)[0]
+    out, lse = dt.flash_attention(q, k, v, softmax_aux=sinks, causal=True, return_lse=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    _check_nan_sinks(out.float().cpu(), lse.cpu(), want, nan_heads, tol, "torch cuda")
+    qj, kj, vj, sj = _jax(q.float().cpu(), k.float().cpu(), v.float().cpu(), sinks.cpu())
+    out, lse = dj.flash_attention(qj, kj, vj, softmax_aux=sj, causal=True, return_lse=True, backend="triton")
+    _check_nan_sinks(out, lse, want, nan_heads, 2e-3, "jax triton")
+
+
 # ----------------------------------------------------------------------------- huge values
 
 @pytest.mark.parametrize("case", ["scale-1e30", "query-1e20"])

@@ -164,7 +164,8 @@ def finish_rows(m, l, sink_lse=None):
     """(lse, 1 / denominator) of rows from their running max m (scaled, -inf: nothing seen) and sum l,
     sinks' log-sum-exp included.  The normaliser is a quotient, not exp(m - lse): at scores past ~1e8
     m + log(l) rounds back to m and the difference would lose l.  Fully masked rows (l = 0) give
-    lse -inf (or the sinks') and normaliser 0; a +inf sink gives lse +inf and normaliser 0."""
+    lse -inf (or the sinks') and normaliser 0; a +inf sink gives lse +inf and normaliser 0; a NaN
+    sink gives lse and normaliser NaN, seen or not, as the softmax's own arithmetic does."""
     seen = l > 0
     m_ref = jnp.where(seen, m, 0.0)
     lse = jnp.where(seen, m_ref + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -172,4 +173,4 @@ def finish_rows(m, l, sink_lse=None):
     if sink_lse is not None:
         lse = jnp.logaddexp(lse, sink_lse)
         denominator = l + jnp.where(seen, sink_probability(sink_lse, m_ref), 0.0)
-    return lse, jnp.where(seen, 1.0 / jnp.where(seen, denominator, 1.0), 0.0)
+    return lse, jnp.where(seen, 1.0 / jnp.where(seen, denominator, 1.0), jnp.where(jnp.isnan(lse), jnp.nan, 0.0))

@@ -222,11 +222,13 @@ def flash_fwd_kernel(
             elif NUM_SINKS > 0:
                 # Sinks join every row's denominator: start the online softmax from them.  Sinks of -inf
                 # join nothing; a sink of +inf takes the whole softmax (output 0, lse +inf: `saturated`,
-                # applied after the loop, which meanwhile runs as if there were no such sink).
+                # applied after the loop, which meanwhile runs as if there were no such sink).  A NaN sink
+                # makes every row of its head NaN, as the softmax's own arithmetic does: the max drops NaN,
+                # so the sum of the NaN entries (0 for the others) puts it back into m and l.
                 offs_s = tl.arange(0, BLOCK_SINKS)
                 sinks = tl.load(SINKS + (h * NUM_SINKS if SINKS_PER_HEAD else 0) + offs_s, mask=offs_s < NUM_SINKS,
                                 other=float("-inf")).to(tl.float32) * LOG2E
-                sink_max = reduce_max(sinks, 0)
+                sink_max = reduce_max(sinks, 0) + reduce_sum(tl.where(sinks == sinks, 0.0, sinks), 0)
                 finite = (sink_max != float("-inf")) & (sink_max != float("inf"))
                 sink_ref = tl.where(finite, sink_max, 0.0)
                 saturated = (tl.full([BLOCK_M], 0.0, tl.float32) + sink_max) == float("inf")

@@ -29,6 +29,7 @@ What qualifies and the tiles: plan.gluon_forward.
 Runs only on sm_90 (wgmma, setmaxnreg); Gluon has no interpreter, so CPU tests compile it
 (compile_check) and GPU tests check its numbers.
 """
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -414,12 +415,14 @@ def _fwd_tile(m0, n_first, n_tiles, n_left_full, n_full, LIST, r, tile, q_smem, 
 def _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS: gl.constexpr, SINKS_PER_HEAD: gl.constexpr):
     """The sink logits joined to a finished row's online softmax (their terms in the denominator,
     nothing in O): (acc, m_i, l_i) rescaled, and whether a sink of +inf takes the whole softmax
-    (O = 0, lse = +inf).  Sinks of -inf join nothing.  After the loop rather than before it (the
-    portable kernels start from the sinks): the loop stays the option-free one."""
+    (O = 0, lse = +inf).  Sinks of -inf join nothing; a NaN sink makes l NaN (the maximum keeps NaN,
+    so `finite` holds and the sum takes it), and the row's O and lse with it.  After the loop rather
+    than before it (the portable kernels start from the sinks): the loop stays the option-free one."""
     base = head * NUM_SINKS if SINKS_PER_HEAD else 0
     sink_max = float("-inf")
     for j in gl.static_range(NUM_SINKS):
-        sink_max = gl.maximum(sink_max, gl.load(SINKS + base + j).to(gl.float32) * 1.4426950408889634)
+        sink_max = gl.maximum(sink_max, gl.load(SINKS + base + j).to(gl.float32) * 1.4426950408889634,
+                              propagate_nan=tl.PropagateNan.ALL)
     finite = (sink_max != float("-inf")) & (sink_max != float("inf"))
     sink_ref = gl.where(finite, sink_max, 0.0)
     sink_sum = 0.0
@@ -480,12 +483,13 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                 tile += 1
                 if NUM_SINKS > 0:
                     acc, m_i, l_i, saturated = _join_sinks(acc, m_i, l_i, SINKS, head, NUM_SINKS, SINKS_PER_HEAD)
-                # O = acc / l and lse = ln(sum exp) (rows with nothing visible: O = 0, lse = -inf).
+                # O = acc / l and lse = ln(sum exp) (rows with nothing visible: l = 0, O = 0, lse = -inf;
+                # `!= 0` rather than `> 0` so that a NaN l, from a NaN sink, reaches O and lse).
                 l_o = gl.convert_layout(l_i, row_o)
                 if DROPOUT:   # the kept entries scaled by 1 / (1 - p) here, once per row
-                    out = acc * gl.expand_dims(dropout_scale / gl.where(l_o > 0.0, l_o, 1.0), 1)
+                    out = acc * gl.expand_dims(dropout_scale / gl.where(l_o != 0.0, l_o, 1.0), 1)
                 else:
-                    out = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
+                    out = acc / gl.expand_dims(gl.where(l_o != 0.0, l_o, 1.0), 1)
                 if NUM_SINKS > 0:
                     out = gl.where(saturated, 0.0, out)
                 # O leaves through shared memory and a TMA store (a tensor of pointers would spill):
@@ -505,7 +509,7 @@ def _fwd_compute(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_re
                     tma.store_wait(0)
                     partition_barrier()   # every warp's part of the store (one thread arrives)
                     mbarrier.arrive(q_empty, count=1)
-                lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+                lse = gl.where(l_i != 0.0, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))
                 if NUM_SINKS > 0:
                     lse = gl.where(saturated, float("inf"), lse)
                 gl.store(LSE + batch.to(gl.int64) * stride_lse_b + head * stride_lse_h + rows, lse,
