@@ -87,17 +87,32 @@ def shard_runs(seq_len: int, world_size: int, layout: str, rank: int) -> Tuple[R
 SKIP, FULL, PARTIAL = "skip", "full", "partial"
 
 
+def _diagonals(offset: int, len_q: int, len_k: int, left: Optional[int],
+               right: Optional[int]) -> Optional[Tuple[int, int]]:
+    """The diagonals d = b - a (inclusive range) of a query run (rows a) and key run (columns b) with
+    kpos - qpos = offset + b - a that the window -left <= kpos - qpos <= right lets attend, or None.
+
+    Every diagonal of the rectangle, -(len_q - 1) .. len_k - 1, holds at least one pair, so this range
+    is the pair's whole mask: two views of a pair attend the same tokens exactly when it is equal."""
+    lo, hi = -(len_q - 1), len_k - 1
+    if left is not None:
+        lo = max(lo, -left - offset)
+    if right is not None:
+        hi = min(hi, right - offset)
+    return (lo, hi) if len_q and len_k and lo <= hi else None
+
+
+def _kind(seen: Optional[Tuple[int, int]], len_q: int, len_k: int) -> str:
+    """SKIP, FULL or PARTIAL for a run pair's attended diagonals `seen` (from `_diagonals`)."""
+    if seen is None:
+        return SKIP
+    return FULL if seen == (-(len_q - 1), len_k - 1) else PARTIAL
+
+
 def _visibility(offset: int, len_q: int, len_k: int, left: Optional[int], right: Optional[int]) -> str:
-    """Which pairs of a query run (rows a) and key run (columns b) with kpos - qpos = offset + b - a
-    the window -left <= kpos - qpos <= right lets attend: none (SKIP), all (FULL) or some (PARTIAL)."""
-    if len_q == 0 or len_k == 0:
-        return SKIP
-    lo, hi = offset - (len_q - 1), offset + (len_k - 1)
-    if (left is not None and hi < -left) or (right is not None and lo > right):
-        return SKIP
-    if (left is None or lo >= -left) and (right is None or hi <= right):
-        return FULL
-    return PARTIAL
+    """Whether the window lets a run pair (as in `_diagonals`) attend none (SKIP), all (FULL) or some
+    (PARTIAL) of its pairs."""
+    return _kind(_diagonals(offset, len_q, len_k, left, right), len_q, len_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,28 +143,31 @@ def _block(q_runs, kv_runs, left, right) -> Optional[RingBlock]:
     their attention (it would attend a pair the global mask forbids, or miss one)."""
     q_start, q_stop = q_runs[0].local, q_runs[-1].local + q_runs[-1].length
     kv_start, kv_stop = kv_runs[0].local, kv_runs[-1].local + kv_runs[-1].length
-    pairs = [(qr, kr, _visibility(kr.position - qr.position, qr.length, kr.length, left, right))
+    pairs = [(qr, kr, _diagonals(kr.position - qr.position, qr.length, kr.length, left, right))
              for qr in q_runs for kr in kv_runs]
-    if all(v == SKIP for _, _, v in pairs):
+    kinds = [_kind(seen, qr.length, kr.length) for qr, kr, seen in pairs]
+    if all(k == SKIP for k in kinds):
         return None
-    if all(v == FULL for _, _, v in pairs):
+    if all(k == FULL for k in kinds):
         return RingBlock(q_start, q_stop, kv_start, kv_stop, False)
-    # The kernel sees kpos - qpos = (kv local - kv_start) - (q local - q_start) - diag: choose diag so a
-    # partial pair is exact, then every other pair must fall on the same side of the window.
-    qr, kr, _ = next(p for p in pairs if p[2] == PARTIAL) if any(p[2] == PARTIAL for p in pairs) else pairs[0]
-    diag = (kr.local - kv_start) - (qr.local - q_start) - (kr.position - qr.position)
 
-    def kernel_view(qr, kr):
-        return _visibility((kr.local - kv_start) - (qr.local - q_start) - diag, qr.length, kr.length, left, right)
+    # The kernel sees kpos - qpos = (kv local - kv_start) - (q local - q_start) - diag.  A diag is exact
+    # when every pair attends under it the diagonals it attends globally.  Equal visibility classes are
+    # not enough: two PARTIAL pairs cut by different window edges (the left bound, the causal one) have
+    # different masks.  A PARTIAL pair's window edge moves with diag, so only its own diag is exact and
+    # the first partial pair's is the one candidate; without one (FULL and SKIP pairs together) every
+    # pair's own diag is tried.
+    def own_diag(qr, kr):
+        return (kr.local - kv_start) - (qr.local - q_start) - (kr.position - qr.position)
 
-    if any(kernel_view(qr, kr) != v for qr, kr, v in pairs):
-        return None
-    shift = diag - ((kv_stop - kv_start) - (q_stop - q_start))
-    return RingBlock(q_start, q_stop, kv_start, kv_stop, True, shift)
-
-
-def _pairwise(q_runs, kv_runs, left, right) -> Tuple[RingBlock, ...]:
-    return tuple(b for qr in q_runs for kr in kv_runs if (b := _block((qr,), (kr,), left, right)) is not None)
+    partial = [(qr, kr) for (qr, kr, _), k in zip(pairs, kinds) if k == PARTIAL]
+    candidates = [own_diag(*partial[0])] if partial else dict.fromkeys(own_diag(qr, kr) for qr, kr, _ in pairs)
+    for diag in candidates:
+        if all(_diagonals((kr.local - kv_start) - (qr.local - q_start) - diag, qr.length, kr.length, left, right)
+               == seen for qr, kr, seen in pairs):
+            shift = diag - ((kv_stop - kv_start) - (q_stop - q_start))
+            return RingBlock(q_start, q_stop, kv_start, kv_stop, True, shift)
+    return None
 
 
 def step_blocks(q_runs: Tuple[Run, ...], kv_runs: Tuple[Run, ...], window_left: Optional[int],
@@ -161,17 +179,18 @@ def step_blocks(q_runs: Tuple[Run, ...], kv_runs: Tuple[Run, ...], window_left: 
     whole = _block(q_runs, kv_runs, left, right)
     if whole is not None:
         return (whole,)
-    if all(_visibility(k.position - q.position, q.length, k.length, left, right) == SKIP
-           for q in q_runs for k in kv_runs):
+    single = {(i, j): _block((q,), (k,), left, right) for i, q in enumerate(q_runs) for j, k in enumerate(kv_runs)}
+    if all(b is None for b in single.values()):
         return ()
-    candidates = []
-    for groups in ([(q_runs, (k,)) for k in kv_runs], [((q,), kv_runs) for q in q_runs]):
-        blocks = []
-        for qs, ks in groups:
-            b = _block(qs, ks, left, right)
-            blocks.extend((b,) if b is not None else _pairwise(qs, ks, left, right))
-        candidates.append(tuple(blocks))
-    candidates.append(_pairwise(q_runs, kv_runs, left, right))
+
+    def launches(qs, ks):   # runs qs x ks in one launch, else one per run pair
+        b = _block(tuple(q_runs[i] for i in qs), tuple(kv_runs[j] for j in ks), left, right)
+        return (b,) if b is not None else tuple(single[i, j] for i in qs for j in ks if single[i, j] is not None)
+
+    every_q, every_k = range(len(q_runs)), range(len(kv_runs))
+    candidates = [sum((launches(every_q, (j,)) for j in every_k), ()),
+                  sum((launches((i,), every_k) for i in every_q), ()),
+                  tuple(b for b in single.values() if b is not None)]
     return min(candidates, key=len)
 
 

@@ -45,30 +45,78 @@ def test_zigzag_balances_causal_work():
     assert len({int(sum(p + 1 for p in rows)) for rows in contiguous}) == world
 
 
+def _attended(seq_len, world, layout, left, right):
+    """(S, S) counts of how often each global (query, key) pair is attended by the blocks of every
+    rank's steps, each block replayed with the kernels' mask rule on its local indices."""
+    perm = ring.ring_permutation(seq_len, world, layout).reshape(world, -1)
+    seen = np.zeros((seq_len, seq_len), int)
+    for rank in range(world):
+        for t, blocks in enumerate(ring.ring_schedule(seq_len, world, layout, rank, left, right)):
+            kv_positions = perm[(rank - t) % world]
+            for b in blocks:
+                ok = np.ones((b.q_stop - b.q_start, b.kv_stop - b.kv_start), bool)
+                if b.masked:   # the kernels' rule: row i at i + diag, column j at j
+                    d = np.arange(ok.shape[1])[None, :] - np.arange(ok.shape[0])[:, None] - b.diag
+                    ok &= (d >= -left) if left is not None else True
+                    ok &= (d <= right) if right is not None else True
+                seen[np.ix_(perm[rank][b.q_start:b.q_stop], kv_positions[b.kv_start:b.kv_stop])] += ok
+    return seen
+
+
+def _assert_exact(seq_len, world, layout, left, right):
+    seen = _attended(seq_len, world, layout, left, right)
+    wrong = np.argwhere((seen > 1) | (seen.astype(bool) != _global_mask(seq_len, left, right)))
+    if len(wrong):
+        q, k = wrong[0]
+        rank = int(np.flatnonzero(ring.ring_permutation(seq_len, world, layout) == q)[0]) // (seq_len // world)
+        raise AssertionError(f"S={seq_len} W={world} {layout} window=({left}, {right}): {len(wrong)} wrong pairs, "
+                             f"e.g. query {q} (rank {rank}) key {k} attended {seen[q, k]} times")
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (3, 0), (2, 5), (0, 0), (9, None)])
 def test_schedule_attends_exactly_the_global_mask(world, layout, window):
-    seq_len = 12 * world
-    left, right = window
-    want = _global_mask(seq_len, left, right)
-    perm = ring.ring_permutation(seq_len, world, layout).reshape(world, -1)
-    for rank in range(world):
-        seen = np.zeros((len(perm[rank]), seq_len), int)
-        for t, blocks in enumerate(ring.ring_schedule(seq_len, world, layout, rank, left, right)):
-            kv_positions = perm[(rank - t) % world]
-            for b in blocks:
-                i = np.arange(b.q_stop - b.q_start)[:, None]
-                j = np.arange(b.kv_stop - b.kv_start)[None, :]
-                ok = np.ones((len(i), j.shape[1]), bool)
-                if b.masked:   # the kernels' rule: row i at i + diag, column j at j
-                    d = j - i - b.diag
-                    ok &= (d >= -left) if left is not None else True
-                    ok &= (d <= right) if right is not None else True
-                cols = kv_positions[b.kv_start:b.kv_stop]
-                seen[b.q_start:b.q_stop, cols] += ok
-        assert seen.max() <= 1, "a pair attended twice"
-        np.testing.assert_array_equal(seen.astype(bool), want[perm[rank]], err_msg=f"rank {rank}")
+    _assert_exact(12 * world, world, layout, *window)
+
+
+# Zigzag chunks of 3 tokens: the shortest at which a window edge can cut two run pairs of one launch
+# differently (a left edge through one, the causal edge through the other).
+CHUNK = 3
+
+
+@pytest.mark.parametrize("world", range(2, 9))
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_schedule_is_exact_for_every_window_length(world, layout):
+    # causal windows (w, 0), one-sided (w, None) and ones reaching one token ahead (w, 1): every w
+    seq_len = 2 * CHUNK * world
+    for left in [None, *range(seq_len + 1)]:
+        for right in (0, None, 1):
+            _assert_exact(seq_len, world, layout, left, right)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_schedule_is_exact_for_every_window(world):
+    seq_len = 2 * CHUNK * world
+    for left in [None, *range(seq_len + 1)]:
+        for right in [None, *range(seq_len + 1)]:
+            _assert_exact(seq_len, world, "zigzag", left, right)
+
+
+@pytest.mark.parametrize("seq_len, left", [(64, 20), (128, 40), (128, 70), (128, 100)])
+def test_schedule_is_exact_for_causal_windows_past_two_chunks(seq_len, left):
+    _assert_exact(seq_len, 4, "zigzag", left, 0)
+
+
+@pytest.mark.slow   # every (left, right) for every world size up to 8 and two chunk lengths: minutes
+@pytest.mark.parametrize("world", range(1, 9))
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("chunk", [CHUNK, 4])
+def test_schedule_is_exact_for_every_window_slow(world, layout, chunk):
+    seq_len = 2 * chunk * world
+    for left in [None, *range(seq_len + 1)]:
+        for right in [None, *range(seq_len + 1)]:
+            _assert_exact(seq_len, world, layout, left, right)
 
 
 def test_fully_masked_steps_are_skipped():
