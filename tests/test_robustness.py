@@ -89,6 +89,41 @@ def test_traced_cu_seqlens_never_leave_the_buffers(rng, table, device):
         assert np.array_equal(np.isinf(np.asarray(lse_j)), ~covered.expand_as(lse).numpy())
 
 
+def test_traced_tables_of_both_sides_run_clamped_and_cut(rng):
+    """Different traced query and key tables, each past its packed tokens or decreasing and with clipped
+    sequences longer than its max_seqlen, under jax.jit: out, lse and the gradients are the float64
+    reference on the tables as flash_attention_varlen's docstring defines them (_run_as_kernels_do on
+    each side), causal aligned at the cut ends; 0, -inf and zero gradients for tokens in no sequence."""
+    total_q, total_k, max_q, max_k = 40, 48, 12, 20
+    cu_q, cu_k = [0, 30, 25, 90], [-3, 10, 44, 47]
+    q, k, v = (torch.from_numpy(rng.standard_normal((n, H, D)).astype(np.float32)) for n in (total_q, total_k, total_k))
+    dout = torch.from_numpy(rng.standard_normal((total_q, H, D)).astype(np.float32))
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = torch.zeros(total_q, H, D, dtype=torch.float64)
+    want_lse = torch.full((H, total_q), float("-inf"), dtype=torch.float64)
+    for (a, b), (c, d) in zip(_run_as_kernels_do(cu_q, total_q, max_q), _run_as_kernels_do(cu_k, total_k, max_k)):
+        if b > a:
+            o, l = reference_attention(leaves[0][None, a:b], leaves[1][None, c:d], leaves[2][None, c:d], causal=True)
+            want = want.index_put((torch.arange(a, b),), torch.nan_to_num(o[0]))
+            want_lse[:, a:b] = l[0].detach()
+    want_grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
+    assert not want_lse.isinf().all(1).any() and want_lse.isinf().any()   # both kinds of rows
+    for backend in ("triton", "xla"):
+        def loss(q, k, v, cq, ck):
+            out, lse = dj.flash_attention_varlen(q, k, v, cq, ck, max_q, max_k, causal=True, return_lse=True,
+                                                 backend=backend)
+            return (out * jnp.asarray(dout.numpy())).sum(), (out, lse)
+        grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            *_jax(q, k, v), jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32))
+        assert_close_rel(np.asarray(out), want.detach(), JAX_TOL, f"{backend} out")
+        lse = np.asarray(lse)
+        assert np.array_equal(np.isinf(lse), want_lse.isinf().numpy()), backend
+        finite = ~want_lse.isinf()
+        assert_close_rel(lse[finite.numpy()], want_lse[finite], JAX_TOL, f"{backend} lse")
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+            assert_close_rel(np.asarray(g), w, 1e-4, f"{backend} {name}")
+
+
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
 def test_rows_past_the_last_sequence_are_zero(rng, with_sinks):
     """cu_seqlens[-1] < total is valid: the rows after it belong to no sequence, so no softmax: output

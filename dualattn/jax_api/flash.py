@@ -346,6 +346,15 @@ def flash_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_se
 
     Returns out (total_q, Hq, Dv) [and lse (Hq, total_q)].  max_seqlen_* must be static ints.
     deterministic: as flash_attention's.
+
+    Concrete tables are checked on the host (ValueError).  Traced ones (under jit) cannot be, and run
+    as follows, on each side with its own total and max_seqlen: c = clip(cummax(cu), 0, total)
+    (non-decreasing, clipped to the packed tokens), and sequence b is the tokens
+    [c[b], c[b] + min(c[b+1] - c[b], max_seqlen)): the first max_seqlen tokens of the clipped
+    sequence.  Query sequence b attends key sequence b under the usual rules (causal aligned at
+    their clipped ends).  Tokens in no sequence (before c[0], from c[-1], or past max_seqlen in a
+    longer sequence) give output 0, lse -inf and zero gradients; no kernel reads or writes outside
+    the packed arrays, whatever the table holds.
     """
     return _call(query, key, value, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, q_segment_ids=None, kv_segment_ids=None,
