@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
+import numbers
 import weakref
 from typing import Optional, Tuple
 
@@ -23,8 +25,8 @@ from ..kernels.flash import fit
 from ..kernels.flash import plan as flash_plan
 from ..kernels.launch import as_int32, max_shared_memory, sm_count
 from ..options import FlashOptions
-from ..validation import (check_cu_seqlens_values, check_dropout, check_flag, check_flash_args, check_positions,
-                          segment_id_dtype)
+from ..validation import (MAX_HEAD_DIM, MIN_HEAD_DIM, check_cu_seqlens_values, check_dropout, check_flag,
+                          check_flash_args, check_positions, segment_id_dtype)
 from . import _launch
 
 Tensor = torch.Tensor
@@ -784,42 +786,150 @@ def flash_attn_varlen_func(query: Tensor, key: Tensor, value: Tensor, cu_seqlens
                  deterministic=deterministic)
 
 
+class _SDPAArgumentError(ValueError, RuntimeError):
+    """A bad scaled_dot_product_attention argument: a ValueError naming it, and a RuntimeError as
+    torch's SDPA raises for the same input, so code catching either keeps working."""
+
+
+class _SDPATypeError(TypeError, RuntimeError):
+    """A scaled_dot_product_attention argument of a dtype torch's SDPA rejects (TypeError and RuntimeError)."""
+
+
+# torch's own SDPA (the C function F.scaled_dot_product_attention binds), for the calls the kernels
+# cannot take: still torch's even where F.scaled_dot_product_attention is patched to this module's.
+_torch_sdpa = torch._C._nn.scaled_dot_product_attention
+
+_SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _sdpa_mask(attn_mask: Tensor, query: Tensor, key: Tensor, enable_gqa: bool) -> Tensor:
+    """attn_mask checked as torch's SDPA checks it and broadcast (a view) to the scores' shape
+    (*batch, Sq, Sk): batch is query's and key's leading dims broadcast (under GQA, query's heads)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise _SDPATypeError(f"attn_mask must be bool (True = attend), float32 or query's dtype {query.dtype} "
+                             f"(an additive bias), as in torch's SDPA; got {attn_mask.dtype}")
+    key_batch = key.shape[:-2]
+    if enable_gqa and query.dim() > 2 and key.dim() > 2:
+        key_batch = key_batch[:-1] + query.shape[-3:-2]
+    try:
+        scores = torch.broadcast_shapes(query.shape[:-2], key_batch)
+    except RuntimeError:
+        return attn_mask  # query and key do not broadcast: torch's SDPA reports that
+    target = (*scores, query.shape[-2], key.shape[-2])
+    shape = tuple(attn_mask.shape)
+    if not 2 <= len(shape) <= len(target) or any(m not in (1, t) for m, t in zip(shape[::-1], target[::-1])):
+        raise _SDPAArgumentError(f"attn_mask of shape {shape} does not broadcast to the attention scores' shape "
+                                 f"{target} (*batch, query seq_len, key seq_len)")
+    return attn_mask.expand(target)
+
+
+def _sdpa_mask_4d(attn_mask: Tensor) -> Tensor:
+    """A mask broadcast to (*batch, H, Sq, Sk) as (B or 1, H or 1, Sq, Sk): broadcast batch and head
+    dims narrowed back to 1, so neither the kernels nor a copy ever see the full expansion."""
+    lead = range(attn_mask.dim() - 3)
+    if all(attn_mask.stride(d) == 0 for d in lead):
+        for d in lead:
+            attn_mask = attn_mask.narrow(d, 0, 1)
+    if attn_mask.dim() > 2 and attn_mask.stride(-3) == 0:
+        attn_mask = attn_mask.narrow(-3, 0, 1)
+    return _as_bhsd(attn_mask)
+
+
+def _sdpa_fallback(query: Tensor, key: Tensor, value: Tensor, dropout_p, scale) -> Optional[str]:
+    """Why the kernels cannot take this scaled_dot_product_attention call (None: they can)."""
+    if query.is_nested or key.is_nested or value.is_nested:
+        return "nested tensors"
+    if not query.dim() == key.dim() == value.dim() >= 2:
+        return "query, key and value of different ranks (broadcast) or below 2-D"
+    if not query.dtype == key.dtype == value.dtype or query.dtype not in _SDPA_DTYPES:
+        return f"dtypes {query.dtype}, {key.dtype}, {value.dtype} (kernels: one of fp16, bf16, fp32)"
+    if not query.device == key.device == value.device or query.device.type not in ("cpu", "cuda"):
+        return f"devices {query.device}, {key.device}, {value.device}"
+    if query.shape[:-3] != key.shape[:-3] or key.shape[:-1] != value.shape[:-1]:
+        return "batch dims that broadcast, or key and value of different heads or lengths"
+    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+        return "empty tensors"
+    if query.dim() > 2 and query.shape[-3] % key.shape[-3]:
+        return f"query heads {query.shape[-3]} not a multiple of key/value heads {key.shape[-3]}"
+    d, dv = query.shape[-1], value.shape[-1]
+    if key.shape[-1] != d or not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM):
+        return f"head dims {d} / {dv} (kernels: {MIN_HEAD_DIM}..{MAX_HEAD_DIM})"
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p {dropout_p!r} (kernels: [0, 1))"
+    if scale is not None and not (isinstance(scale, numbers.Real) and 0.0 < scale < math.inf):
+        return f"scale {scale!r} (kernels: finite, positive)"
+    return None
+
+
+def _as_bhsd(t: Tensor) -> Tensor:
+    """(*batch, [H,] S, E) as a 4-D (B, H, S, E) view (a copy only where the batch dims cannot merge)."""
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t.reshape(-1, *t.shape[-3:])
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> Tensor:
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention (BHSD layout).
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention: same arguments, result and errors.
 
-    attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
-    (B, H, Sq, Sk). is_causal here is top-left aligned like torch's (equal for Sq == Sk).
+    Args:
+        query (*batch, Hq, Sq, E), key (*batch, Hkv, Sk, E), value (*batch, Hkv, Sk, Ev): any number of
+            leading batch dims (also none: 2-D (S, E) inputs).  Hkv may differ from Hq when enable_gqa
+            (query head h uses key/value head h // (Hq / Hkv)) or when Hkv is 1 (broadcast).
+        attn_mask: bool (True = attend) or an additive float bias (float32 or query's dtype; -inf
+            masks), broadcastable to (*batch, Hq, Sq, Sk); differentiable.  Other dtypes raise, as in torch.
+        dropout_p: dropout on the attention probabilities (a fresh mask per call, drawn from torch's RNG).
+        is_causal: query i attends key j iff j <= i (top-left aligned, as torch's); not with attn_mask::
+
+                Sq=2, Sk=5       Sq=5, Sk=2
+                  1 0 0 0 0        1 0
+                  1 1 0 0 0        1 1
+                                   1 1 ...
+        scale: defaults to E ** -0.5.
+
+    Returns:
+        (*batch, Hq, Sq, Ev) in query's dtype: contiguous, or in the BSHD-transposed layout when query
+        is itself such a view (as torch's CPU kernels return it).  Rows with nothing to attend give 0.
+
+    The shared kernels run what they can take (fp16/bf16/fp32, head dims 16..256, equal batch dims,
+    dropout_p < 1, positive scale); every other call torch accepts runs torch's own SDPA, so no call
+    torch takes is refused.  Bad arguments raise errors that are RuntimeErrors, as torch's, and
+    also ValueError / TypeError naming the argument.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D (batch, heads, seq_len, head_dim) tensor, got shape "
-                             f"{tuple(t.shape)}")
+        if t.dim() < 2:
+            raise _SDPAArgumentError(f"{name} must be at least 2-D (..., seq_len, head_dim), got shape "
+                                     f"{tuple(t.shape)}")
     is_causal, enable_gqa = check_flag("is_causal", is_causal), check_flag("enable_gqa", enable_gqa)
-    if is_causal and attn_mask is not None:
-        raise ValueError("attn_mask and is_causal cannot both be set (as in torch's SDPA)")
-    b, hq, sq, _ = query.shape
-    hkv, sk = key.shape[1], key.shape[2]
-    if hq != hkv and not enable_gqa:
-        raise ValueError(f"query heads {hq} != key heads {hkv}: pass enable_gqa=True for GQA")
-    bias = mask = None
     if attn_mask is not None:
-        while attn_mask.dim() < 4:
-            attn_mask = attn_mask.unsqueeze(0)
-        attn_mask = attn_mask.expand(attn_mask.shape[0], attn_mask.shape[1], sq, sk)
-        if attn_mask.dtype == torch.bool:
-            mask = attn_mask
-        else:
-            bias = attn_mask.to(query.dtype)
-    # torch's is_causal is top-left aligned: shift our bottom-right diagonal by Sq - Sk.
-    out = _call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
+        if is_causal:
+            raise _SDPAArgumentError("attn_mask and is_causal=True cannot both be given (as torch's SDPA documents "
+                                     "it); fold the causal mask into attn_mask")
+        attn_mask = _sdpa_mask(attn_mask, query, key, enable_gqa)
+    # Without enable_gqa torch broadcasts the head dims: the kernels take only a single key/value head.
+    broadcast_heads = (not enable_gqa and query.dim() > 2 and key.dim() > 2
+                       and key.shape[-3] not in (1, query.shape[-3]))
+    if broadcast_heads or _sdpa_fallback(query, key, value, dropout_p, scale) is not None:
+        return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
+    sq, sk = query.shape[-2], key.shape[-2]
+    q4, k4, v4 = _as_bhsd(query), _as_bhsd(key), _as_bhsd(value)
+    bias = mask = None
+    if attn_mask is not None:   # (*batch, Hq, Sq, Sk) -> (B or 1, Hq or 1, Sq, Sk)
+        m4 = _sdpa_mask_4d(attn_mask)
+        mask, bias = (m4, None) if m4.dtype == torch.bool else (None, m4)
+    out = _call(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), softmax_scale=scale,
                 causal=is_causal, sliding_window=None, logits_soft_cap=None, softmax_aux=None,
                 q_segment_ids=None, kv_segment_ids=None, attention_mask=mask, bias=bias, dropout_prob=dropout_p,
-                dropout_seed=None, return_lse=False, diag_shift=(sq - sk) if is_causal else 0)
-    return out.transpose(1, 2)
+                dropout_seed=None, return_lse=False, diag_shift=(sq - sk) if is_causal else 0).transpose(1, 2)
+    if not q4.transpose(1, 2).is_contiguous():
+        out = out.contiguous()  # the kernels write BSHD; torch returns query's layout
+    return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 def dropout_keep_mask(seed: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_prob: float,
