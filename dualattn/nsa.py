@@ -221,9 +221,8 @@ def compressed_launches(seqlen: int, block_size: int) -> CompressedLaunches:
     blocks' last tokens (c <= i) run as a second launch, the strided rows bs - 1, 2 * bs - 1, ..
     against all n blocks, and replace their rows of the first; the tail tokens a third,
     non-causal.  The folded launch's backward runs one dK / dV program per (key tile, folded KV
-    head), bs * Hkv heads instead of Hkv, and the tiled keys' gradients are summed back.  It
-    replaced the block-sparse kernel with key positions, which took 4.7 ms of the 64k, group 16
-    forward (benchmarks/results/2026-11-28_h200_ncu_nsa_g16.log)."""
+    head), bs * Hkv heads instead of Hkv, and the tiled keys' gradients are summed back (docs/lessons.md,
+    "NSA's compressed branch: phases folded into the heads")."""
     n = seqlen // block_size
     return CompressedLaunches(n, n * block_size, seqlen - n * block_size)
 
@@ -262,10 +261,9 @@ def _packed_layout(cu_seqlens_values: Tuple[int, ...], block_size: int) -> Packe
     its sequence's first block a key row whose id no query holds); each block's last token against its
     sequence's pooled keys (causal); the tails against them (not causal).  As documents the folded launch
     is one dense row that the Gluon forward takes, where a varlen one (the queries' and keys' tables
-    differ) ran the portable kernel: 0.48 ms of a 7.4 ms forward for 8 sequences of 8k tokens at group 4,
-    and with more sequences than a varlen grid holds, launches per group of sequences joined by a copy.
-    A launch per sequence took ~0.9 ms of host time each (64 sequences of 1k tokens: 59 ms a forward
-    against 4.5 ms as a batch, benchmarks/host_nsa.py --varlen)."""
+    differ) would run the portable kernel, and with more sequences than a varlen grid holds, launches per
+    group of sequences joined by a copy.  A launch per sequence would cost host time per sequence
+    (docs/lessons.md, "NSA over packed sequences: one launch for all, as documents")."""
     cu = np.asarray([int(c) for c in cu_seqlens_values], np.int64)
     lengths = cu[1:] - cu[:-1]
     blocks = lengths // block_size

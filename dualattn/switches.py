@@ -10,7 +10,7 @@ tests do, in the interpreter).  Each is "0" (off), "1" (on whatever the speed ru
     DUALATTN_WS             warp-specialised (and Gluon) kernels; on by default on sm_90 only
                             (plan.warp_specialize_requested); "1" also in the interpreter
     DUALATTN_TMA            TMA tile loads in the portable kernels; off by default (no faster
-                            on the H100: benchmarks/NOTES.md, "TMA alone buys nothing")
+                            than pointer loads: docs/lessons.md, "TMA alone buys nothing")
     DUALATTN_PERSISTENT     persistent launches (plan.persistent_forward, persistent_backward,
                             one_pass_persistent)
     DUALATTN_WS_BAND        the warp-specialised forward's band inside its loop (plan.ws_band_in_loop)

@@ -1,7 +1,7 @@
 """python -m dualattn.fuzz: a fixed-seed slice passes, and the fuzzer's checks can fail.
 
 The slice is small (the Triton interpreter runs each configuration in about a second); release runs
-are `python -m dualattn.fuzz --count 5000 --workers $(nproc)` (benchmarks/results/*_fuzz.json).
+are `python -m dualattn.fuzz --count 5000 --workers $(nproc)`.
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_features_count_options():
 
 @pytest.mark.parametrize("index", [1342, 365, 1305, 1963, 1820, 2221])
 def test_former_failures_replay_clean(index):
-    """Configurations of seed 20261126 that once failed: two +inf sinks with an lse cotangent (1342),
+    """Configurations of seed 20261126 that exposed bugs: two +inf sinks with an lse cotangent (1342),
     a +inf sink at softmax_scale 318 (365: the reference gave NaN), varlen rows in no sequence with
     sinks on xla (1305), an empty batch with segment ids on xla (1963), a lone key far below a
     sink whose probability underflows (1820: out ~1e-108 in the reference, 0 in bf16), and an

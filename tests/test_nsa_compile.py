@@ -139,7 +139,8 @@ def test_compile_nsa_pool(arch, dtype, d, dv, block_size):
 def test_dkv_register_cap_fits_three_programs_an_sm(spec):
     """16-bit dK / dV programs with heads wider than 64 carry plan.DKV_MAX_REGISTERS into their PTX
     (.maxnreg) under both launchers' specialisations, and ptxas keeps them within it: three programs
-    of 4 warps an SM (benchmarks/NOTES.md, "NSA's dK/dV: a register cap").  D = 64 is not capped."""
+    of 4 warps an SM (docs/lessons.md, "NSA's dK/dV: a register cap, not the assembler's choice").  D = 64
+    is not capped."""
     launch, dtypes = _launch("bwd-dkv", *VARIANTS["bf16-d128-g16-entries"])
     assert launch.max_registers == nsa_plan.DKV_MAX_REGISTERS and launch.num_warps == 4
     assert 3 * launch.max_registers * 32 * launch.num_warps <= 65536

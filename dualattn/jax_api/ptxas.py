@@ -1,16 +1,16 @@
 """Which assembler turns the Triton kernels' PTX into SASS on the JAX path.
 
 torch's Triton assembles a kernel with the ptxas it bundles (CUDA 12.8 with Triton 3.6). jaxlib
-hands the same PTX to the first `ptxas` on PATH, else to the CUDA toolkit's (13.0 on our H100
-machine): XLA's subprocess compilation searches PATH before the CUDA roots, and jaxlib's Triton
-custom call takes no cubin. The two builds give different SASS for the same PTX: the D=64 forward
-ran 3-5% slower under JAX, and as fast as torch with Triton's ptxas (NOTES: "The same PTX, another assembler"
-and 28).
+hands the same PTX to the first `ptxas` on PATH, else to the CUDA toolkit's (possibly a newer
+CUDA's): XLA's subprocess compilation searches PATH before the CUDA roots, and jaxlib's Triton
+custom call takes no cubin. The two builds can give different SASS for the same PTX, and a kernel
+then runs at another speed under JAX than under torch (docs/lessons.md, "The same PTX, another
+assembler").
 
 `use_triton_ptxas()` puts a small `ptxas` first on PATH that sends the PTX of dualattn's kernels
 to Triton's ptxas and everything else, XLA's own kernels included, to the ptxas jaxlib would have
 run anyway. (Triton's ptxas alone first on PATH is not enough: XLA's PTX asks for a newer PTX ISA
-than CUDA 12.8 accepts, measured.) It is opt-in, or DUALATTN_JAX_PTXAS=triton, applied at the
+than CUDA 12.8 accepts.) It is opt-in, or DUALATTN_JAX_PTXAS=triton, applied at the
 first Triton launch from JAX, because it changes PATH for the whole process.
 """
 from __future__ import annotations
@@ -78,8 +78,8 @@ def write_router(directory: str, ours: str, theirs: str, names: Iterable[str]) -
     pattern = r"\.entry (" + "|".join(sorted(names)) + r")\("
     # Triton's own choice, made again per call: TRITON_PTXAS_PATH when it names a program, else
     # `ours` (Triton's bundled one). torch.compile sets TRITON_PTXAS_PATH to torch's ptxas the first
-    # time it compiles, after which Triton writes PTX for that ptxas (measured: ISA 9.0, which the
-    # bundled 12.8 rejects).
+    # time it compiles, after which Triton writes PTX for that ptxas (ISA 9.0, which the bundled
+    # 12.8 rejects).
     script = ("#!/bin/sh\n"
               "# Written by dualattn.jax_api.ptxas: dualattn's Triton kernels go to Triton's ptxas, the rest to\n"
               "# the ptxas jaxlib would have run.\n"

@@ -33,9 +33,8 @@ class _Prepared:
     """What launching one `Launch` takes that does not change between calls, worked out on its
     first call: the kernel, the scalar arguments, the outputs' allocation, the constexpr values
     and, per specialisation, the CompiledKernel.  A steady workload sees the same few (memoised)
-    plans, so each call only binds tensors and launches: the per-launch Python that used to
-    re-read the plan was about half of the torch path's host time at short sequences
-    (NOTES: "Fewer Python layers per call")."""
+    plans, so each call only binds tensors and launches: re-reading the plan per launch would be
+    host time that counts at short sequences (docs/lessons.md, "Fewer Python layers per call")."""
 
     __slots__ = ("launch", "kernel", "interpreted", "scalars", "outputs", "constexprs", "tensors", "ints",
                  "variants")

@@ -470,8 +470,8 @@ def flash_bwd_dq_kernel(
             diag = k_len - q_len + diag_shift
             # A warp-specialised loop holds no branch, so a causal or window band runs in it whole with
             # the position mask on every tile: the backward's five GEMMs per tile hide the extra selects
-            # (the forward's two do not, so the forward splits the band instead: NOTES: "Masks in the
-            # warp-specialised forward: split long bands").
+            # (the forward's two do not, so the forward splits the band instead: docs/lessons.md, "Masks
+            # in the warp-specialised forward: split long bands").
             BAND_IN_LOOP: tl.constexpr = WARP_SPECIALIZE and (HAS_LEFT or HAS_RIGHT)
             offs_m = m0 + tl.arange(0, BLOCK_M)
             offs_d = tl.arange(0, BLOCK_D)

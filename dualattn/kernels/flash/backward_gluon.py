@@ -3,9 +3,8 @@
 The portable backward (backward.py) runs two kernels, dK/dV and dQ, each recomputing P: 7 GEMMs
 per (query tile, key tile).  This kernel computes all three gradients in one pass, 5 GEMMs per tile,
 as FA3 does: dQ partials are reduced into an fp32 buffer by bulk TMA reduce-adds instead of
-recomputing P in a second kernel.  Triton's automatic warp specialisation cannot build this loop
-(NOTES: "Persistent launches"), so the partitions are written out (NOTES: "Two passes in Triton, one pass only
-in Gluon"):
+recomputing P in a second kernel.  Triton's automatic warp specialisation cannot build this loop, so
+the partitions are written out (docs/lessons.md, "Two passes in Triton, one pass only in Gluon"):
 
   * load warp (1 warp): TMA-loads K and V of its key tile once, then Q_i with lse_i and dO_i with
     delta_i into a STAGES-deep ring (separate ready barriers: S^T = K Q^T starts before dO lands).
@@ -23,7 +22,7 @@ in Gluon"):
     dS^T, so they meet (a partition barrier) once dS^T is in shared memory.  DS_BUFS = 1: they meet
     again after the dQ_i store, which frees dS^T's buffer; DS_BUFS = 2: dS^T alternates between two
     buffers and dQ_i goes to the dQ warp at the next tile's meeting (faster at D=64, slower at D=128:
-    plan.ONE_PASS_TILES).
+    hopper.ONE_PASS_TILES; docs/lessons.md, "One-pass tile settings").
   * D = 256 (WIDE): dK and dV of 64 keys per warpgroup would take 256 registers a thread, so a program owns
     64 keys and each warpgroup half of dK's, dV's and dQ_i's columns (and of S^T's and dP^T's query columns);
     P^T and dS^T meet in shared memory, and dQ_i is staged in the ring stage's own Q_i / dO_i buffers (_tile).
@@ -606,11 +605,11 @@ def flash_bwd_one_pass_kernel(
     SPARSE_BLOCK_Q: gl.constexpr, SPARSE_RUNS: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     # Grid: (key tiles, batch * KV heads), one program per work item (_work_item), so that one head's
-    # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, causal
-    # ran at 0.6x: nothing shared).  PERSISTENT: (programs,), each takes items w = pid, pid +
+    # key tiles run side by side and stream the same Q / dO tiles through L2 (heads first, nothing is
+    # shared).  PERSISTENT: (programs,), each takes items w = pid, pid +
     # programs, ... < num_work (causal: pairs of key tiles of equal total work) and builds its
     # descriptors once, over whole arrays (plan: Sq, Sk tile multiples, (batch, seq) rows and heads
-    # side by side), where a program per item spent ~10 us building its seven (NOTES: "Persistent launches").
+    # side by side), where a program per item builds its seven again (docs/lessons.md, "Persistent launches").
     # DESC_SCRATCH: where jax-triton launches keep the descriptors (jax_api/_scratch.py); Triton's
     # launcher brings its own scratch.  SPARSE_BLOCK_Q: a block-sparse layout of SPARSE_BLOCK_Q x BLOCK_N
     # blocks (dualattn.SparseMask's query-block lists, _work_item), 0 where there is none; SPARSE_RUNS:

@@ -63,7 +63,7 @@ def copy_score_tile(buf, ROW, rows, stride, row_ok, n0, seqlen_k, BN: gl.constex
 
     The row offsets are recomputed at each copy, from `rows` passed through an opaque move: computed
     once, they were a thread's several values held through the key loop, which ptxas spilled and
-    reloaded before every copy (NOTES: "Score tiles: row offsets, not spills")."""
+    reloaded before every copy (docs/lessons.md, "Score tiles: row offsets, not spills")."""
     rows = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows], dtype=gl.int32, is_pure=False, pack=1)
     keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT))
     ptrs = ROW + (gl.expand_dims(gl.multiple_of(rows * stride, [8]), 1) + gl.expand_dims(keys, 0))
@@ -96,9 +96,9 @@ def masked_scores(s, mask_buf, HM: gl.constexpr, BN: gl.constexpr):
     """s ([HM, BN], mma_layout) where the attention-mask tile in `mask_buf` is 1, -inf where it is 0 (the
     launchers pass masks of 0 and 1): min(s, +inf or -inf).  The tile is read as int16 pairs of adjacent
     keys, as each thread holds them, and a pair's bounds are its bit 0 and bit 8 moved to the sign and
-    xored with the bits of -inf: a shift and a logic op a score, with no byte extracted.  Read byte by
-    byte (a byte extract, a shift and an xor a score) the masked forward at D = 64 took 1.105 ms against
-    1.019 (H200, 2 x 32 heads x 4096^2; NOTES: "Mask pairs"); as a select on `keep != 0`, 1.32 ms."""
+    xored with the bits of -inf: a shift and a logic op a score, with no byte extracted (read byte by
+    byte it is a byte extract, a shift and an xor a score, which the exp2-bound forward at D = 64 feels:
+    docs/lessons.md, "Mask pairs")."""
     gl.static_assert(HM == 64, "mask_pairs_layout: four warps of 16 rows")
     w = mask_buf._reinterpret(gl.int16, [HM, BN // 2], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     w = w.load(mask_pairs_layout(HM, BN)).to(gl.int32)
@@ -111,9 +111,8 @@ def masked_scores(s, mask_buf, HM: gl.constexpr, BN: gl.constexpr):
 @gluon.jit
 def masked_bits(x, keep, FILL_BITS: gl.constexpr):
     """x where `keep` is 1, the float whose bits are FILL_BITS where it is 0 (the launchers pass masks
-    of 0 and 1), by integer operations on x's bits.  Written as a select on `keep != 0`, LLVM packed
-    each thread's 64 predicates into bit masks and out again: the masked forward ran 1.15 ms against
-    0.66 ms with a bias (H200, 2 x 16 heads x 4096^2, D = 128)."""
+    of 0 and 1), by integer operations on x's bits.  Written as a select on `keep != 0`, LLVM packs
+    each thread's 64 predicates into bit masks and out again (docs/lessons.md, "Mask pairs")."""
     keep_all = -(keep.to(gl.int32))   # -1 where keep is 1, 0 where it is 0
     bits = x.to(gl.int32, bitcast=True) & keep_all
     if FILL_BITS != 0:

@@ -1,7 +1,7 @@
 """Which problems the Hopper kernels take: warp-specialised, persistent, Gluon, one-pass backward.
 
 Each rule states what its kernel needs (16-bit inputs, TMA-legal strides, head dims, no per-element
-option) and, for its thresholds, the measurement behind them (benchmarks/NOTES.md, by lesson).
+option) and, for its thresholds, the reason behind them (docs/lessons.md, by title).
 plan.py asks these rules while it assembles launches; they read only sizes, options, strides and
 constexprs, and the developer switches that override them (dualattn/switches.py) arrive as `flag`.
 """
@@ -17,15 +17,15 @@ from .tiles import SparseInfo, TileConfig, causal_window_keys
 
 def tma_requested() -> bool:
     """Whether launchers ask for TMA tile loads in every kernel (the plan still checks each problem:
-    _use_tma).  Opt-in with DUALATTN_TMA=1: on the H100 with Triton 3.6 they measured no faster
-    than pointer loads (NOTES: "TMA alone buys nothing")."""
+    _use_tma).  Opt-in with DUALATTN_TMA=1: pointer loads are already asynchronous once strides are
+    proved aligned (docs/lessons.md, "TMA alone buys nothing")."""
     return switches.current().get("DUALATTN_TMA") == "1"
 
 
 def warp_specialize_requested(arch: Optional[int]) -> bool:
     """Whether launchers allow the warp-specialised kernels on sm_<arch> (None: the CPU interpreter;
     warp_specialized_forward / _backward decide if a problem qualifies).  Default: on sm_90, where
-    they were tuned (NOTES: "What Triton's warp specialisation accepts").  DUALATTN_WS=0 turns them off
+    they were tuned (docs/lessons.md, "What Triton's warp specialisation accepts").  DUALATTN_WS=0 turns them off
     (both frameworks then run
     the portable kernels); DUALATTN_WS=1 allows them wherever descriptors work, the interpreter
     included (tests)."""
@@ -50,9 +50,9 @@ def _use_tma(requested: bool, shapes: FlashShapes, constexprs, max_width: int = 
 
 
 # The warp-specialised forward's tile.  Triton 3.6's Hopper pass specialises only 4-warp loops
-# (8 warps compile unspecialised), and of the probed 4-warp tiles 128x128 with 2 stages was the
-# fastest and the only one free of miscompiles (128x64 with 3 stages returned NaN):
-# NOTES: "What Triton's warp specialisation accepts".
+# (8 warps compile unspecialised), and of the 4-warp tiles 128x128 with 2 stages is the only one free
+# of miscompiles (128x64 with 3 stages returned NaN): docs/lessons.md, "What Triton's warp
+# specialisation accepts".
 WS_TILE = TileConfig(128, 128, 4, 2)   # square: SPLIT_BAND cuts bands by it
 WS_MIN_KEY_WORK = 1 << 18   # seqlen_k * head dim
 
@@ -63,10 +63,9 @@ def warp_specialized_forward(shapes: FlashShapes, sparse: Optional[SparseInfo], 
     masked edges then need a second launch, split_band_pays whether that is worth it).
 
     What _warp_specializable needs, and enough work per program to repay building five
-    descriptors, Sk * D >= WS_MIN_KEY_WORK (in the session-6 sweep, against the same kernel
-    without it: D=64 lost 18% at S=1024 and 5% at S=2048, won 4-7% from S=4096; D=128 won 6% at
-    S=2048 and 4% at S=1024, left out as noise).  A persistent launch sets up once per SM, so
-    plan_forward lifts the work bar where persistent_forward holds."""
+    descriptors, Sk * D >= WS_MIN_KEY_WORK: below it the fixed set-up is not repaid
+    (docs/lessons.md, "The work bar for warp-specialised launches").  A persistent launch sets up
+    once per SM, so plan_forward lifts the work bar where persistent_forward holds."""
     return (_warp_specializable(shapes, sparse, constexprs)
             and shapes.seqlen_k * max(shapes.head_dim, shapes.head_dim_v) >= WS_MIN_KEY_WORK)
 
@@ -95,18 +94,17 @@ def _without_segments(constexprs, *others: str):
 
 def split_band(shapes: FlashShapes, constexprs) -> bool:
     """Whether a warp-specialised forward leaves masked edge tiles (causal or window bands, a
-    partial last key tile) to a second, portable launch (SPLIT_BAND).  A mask applied branch-free
-    to every tile inside the one loop measured equal at D=128 and 23% slower at D=64 (NOTES: "What
-    Triton's warp specialisation accepts"), and slower still with the backward's three-operation band
-    test (-4 to -8% at D=128, -20 to -27% at D=64; NOTES: "Masks in the warp-specialised backward:
-    minimal, in the loop, relative"); an `if` in the loop undoes the specialisation."""
+    partial last key tile) to a second, portable launch (SPLIT_BAND).  The loop is bound by exp2 and
+    its two GEMMs are too short to hide a branch-free mask on every tile, even the backward's
+    three-operation band test; an `if` in the loop undoes the specialisation (docs/lessons.md, "Masks
+    in the warp-specialised forward: split long bands")."""
     const = dict(constexprs)
     return const["HAS_LEFT"] or const["HAS_RIGHT"] or shapes.seqlen_k % WS_TILE.block_n != 0
 
 
-# When a split band pays: the edges launch reads q, O, k and v again and writes O (~0.14 ms per 16k tokens of
-# 16 heads at D=128 on the H100) against the interior's ~12%.  Measured (NOTES: "Masks in the warp-specialised
-# forward: split long bands", causal): D=128 +3% at S=8192 and +7% at S=16384, -5% at S=4096; D=64 -16% to 0%.
+# When a split band pays: the edges launch reads q, O, k and v again and writes O, a fixed cost that only the
+# interior's gain on many visible keys at the wider head dims repays (docs/lessons.md, "Masks in the
+# warp-specialised forward: split long bands").
 WS_SPLIT_MIN_KEYS = 8192        # keys the last query row of a tile can see
 WS_SPLIT_MIN_HEAD_DIM = 128     # padded head dim (BLOCK_D / BLOCK_DV)
 
@@ -126,18 +124,15 @@ def split_band_pays(shapes: FlashShapes, options: FlashOptions, constexprs) -> b
 
 
 # The edges launch of a split band: one or a few masked tiles per program.  It is bound by reading q, O, k, v
-# again, but small tiles still measured fastest (64x64/4 warps 0.142 ms, 128x128/8 warps 0.180 ms per 16k
-# tokens at D=128; NOTES: "Masks in the warp-specialised forward: split long bands").  The band's interior is
-# cut by WS_TILE (square) whatever this tile is.
+# again, and small tiles are still the fastest for it.  The band's interior is cut by WS_TILE (square)
+# whatever this tile is.
 WS_EDGES_TILE = TileConfig(64, 64, 4, 2)
 
 
 # A causal or window band's masked edge tiles inside the portable kernels' one loop, behind a branch
 # (EDGES_IN_LOOP), instead of in loops of their own: saves each program the edge loops' pipeline fill and
-# drain, costs every tile bounds-checked loads and the test.  Kernel times (CUDA graphs, NOTES: "Short bands
-# run their edges inside the one loop"), causal forward / fwd+bwd: +14% / +7% at D=128 S=1024, +6% / +1.5% at
-# 2048, D=64 +11% / +10% and +4% / +6.5%; at S=4096 within +-1%, at D=64 S=8192 -1.5% / -2%.  Without a band
-# (nothing to save) the D=64 backward lost 4-7%.
+# drain, costs every tile bounds-checked loads and the test: it pays for short bands only, and without a band
+# there is nothing to save (docs/lessons.md, "Short bands run their edges inside the one loop").
 EDGES_IN_LOOP_MAX_KEYS = 2048
 
 
@@ -164,10 +159,9 @@ def edges_in_loop(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
 
 # A persistent warp-specialised forward: one program per SM takes the grid's tiles in turn.  A specialised
 # program's set-up (barriers, descriptors, the producer's first loads, the final TMA stores) then runs once
-# per SM instead of once per tile, which pays where tiles are short: kernel time against the grid, 16k tokens,
-# non-causal forward (NOTES: "Persistent launches"): D=128 +17% at S=1024, +7% at 2048, +2% at 4096, 0 at
-# 8192, -1.5% at 16384; D=64 +8%, +5%, +1.5%, -2%, -3%.  Persistent programs take fixed shares of tiles where
-# the grid's are dealt as SMs free up, and longer tiles leave less set-up to save.
+# per SM instead of once per tile, which pays where tiles are short (docs/lessons.md, "Persistent launches").
+# Persistent programs take fixed shares of tiles where the grid's are dealt as SMs free up, and longer tiles
+# leave less set-up to save.
 PERSISTENT_MAX_KEYS = 4096
 PERSISTENT_ENV = "DUALATTN_PERSISTENT"
 
@@ -183,10 +177,8 @@ def persistent_forward(shapes: FlashShapes, num_sms: int, flag: Optional[str] = 
 
 
 # The warp-specialised backward kernels run persistent too: more 128-row tiles than SMs in each, at
-# most PERSISTENT_BWD_MAX_KEYS keys, whole-array descriptors.  Kernel time against the grid (NOTES:
-# "Persistent launches"), backward alone: D=128 non-causal +15% at S=1024, +8.5% at 2048, +3% at 4096; causal
-# +12% at 2048, 0 at 4096; D=64 causal (dK/dV) +8.5% at 4096.  With every length persistent
-# (DUALATTN_PERSISTENT=1): 0 non-causal and -5% causal at S=8192.
+# most PERSISTENT_BWD_MAX_KEYS keys, whole-array descriptors: as in the forward, the saved set-up pays at
+# short sequences and not at long ones (docs/lessons.md, "Persistent launches").
 PERSISTENT_BWD_MAX_KEYS = 4096
 
 
@@ -212,10 +204,9 @@ def whole_array_tiles(shapes: FlashShapes, scalars, constexprs) -> bool:
 WS_BAND_ENV = "DUALATTN_WS_BAND"
 
 
-# Where a persistent forward runs a causal or window band whole in its one specialised loop by default (kernel
-# time against the portable one-loop band, 16k tokens, causal; NOTES: "Persistent launches"): D=128 +15% at
-# S=1024, +5% at 2048, -1% at 4096; D=64 -12 to -18% (its loop is bound by exp2: NOTES: "Masks in the
-# warp-specialised backward: minimal, in the loop, relative").
+# Where a persistent forward runs a causal or window band whole in its one specialised loop by default: short
+# bands at D=128 (docs/lessons.md, "Persistent launches"); at D=64 its loop is bound by exp2 (docs/lessons.md,
+# "At D = 64 the forward is bound by exp2").
 WS_BAND_MAX_KEYS = 2048
 WS_BAND_MIN_HEAD_DIM = 128      # padded head dim (BLOCK_D / BLOCK_DV)
 
@@ -227,8 +218,8 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Opt
     WS_BAND_MAX_KEYS keys.  Needs every tile inside the sequences, so the test has no bounds checks:
     a persistent launch has that already (whole_array_tiles: Sq and Sk multiples of WS_TILE).  It paid
     only once the persistent programs built their descriptors once and took the tiles head-major in
-    rounds of alternating direction (NOTES: "Persistent launches"); on a grid it lost (NOTES: "Masks
-    in the warp-specialised backward: minimal, in the loop, relative").  flag: DUALATTN_WS_BAND, "0" /
+    rounds of alternating direction; on a grid it lost (docs/lessons.md, "Persistent launches").
+    flag: DUALATTN_WS_BAND, "0" /
     "1" turn it off / on whatever the head dim and keys (A/B runs)."""
     const = dict(constexprs)
     return (flag != "0" and persistent and (const["HAS_LEFT"] or const["HAS_RIGHT"])
@@ -237,33 +228,27 @@ def ws_band_in_loop(shapes: FlashShapes, constexprs, persistent: bool, flag: Opt
 
 
 # The one-pass backward (backward_gluon.py): (BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, DS_BUFS) by head dim.  Tiles
-# and stages: the probe's fastest (NOTES: "Two passes in Triton, one pass only in Gluon").  Backward time, 16k
-# tokens (benchmarks/tune_one_pass.py; NOTES: "One-pass tile settings"): D=128 DQ_BUFS 2 (was 1) +2-3%
-# non-causal, 0 causal; DS_BUFS 2 (the two warpgroups meet once per tile, not twice) +1-5% at D=64 but 6-20%
-# slower at D=128 (the dQ tile reaches its warp half a tile later); BLOCK_M 128 at D=64 5-10% slower (spills).
+# and stages: the probe's fastest (docs/lessons.md, "Two passes in Triton, one pass only in Gluon").  DQ_BUFS 2
+# pays at D=128; DS_BUFS 2 (the two warpgroups meet once per tile, not twice) pays at D=64 but not at D=128 (the
+# dQ tile reaches its warp half a tile later); BLOCK_M 128 at D=64 spills (docs/lessons.md, "One-pass tile
+# settings", tuned by benchmarks/tune_one_pass.py).
 # 8 compute warps (two wgmma warpgroups) plus its load and dQ warps.  D=256: 64-key tiles, each warpgroup on half
 # of dK's and dV's columns (at 128 keys dK and dV alone would take 256 registers a thread); the fp32 dQ tile is
 # staged in each stage's Q and dO buffers, so DQ_BUFS = STAGES (backward_gluon's WIDE).
 ONE_PASS_TILES = {64: (64, 128, 3, 2, 2), 128: (64, 128, 2, 2, 1), 256: (64, 64, 2, 2, 1)}
 ONE_PASS_WARPS = 8
 ONE_PASS_ENV = "DUALATTN_ONE_PASS"
-# Least keys (Sk) from which the one-pass backward replaces the two-pass one. fwd+bwd against the two-pass
-# kernels, 16k tokens (NOTES: "When the one-pass backward runs"): non-causal D=128 -16% at S=1024, -3% at
-# 2048, +1% at 4096, +7 / +10% at 8192 / 16384 (D=64 -12%, -4%, +1%, +4%, +8%).  Causal runs persistent over
-# pairs of key tiles since NOTES: "Equal work items for persistent causal kernels"; backward alone against the
-# two-pass kernels: D=128 -11% at S=2048, +3% at 4096; D=64 -1% at 2048, +4% at 4096.  Short problems lose the
-# dQ accumulator's zero-fill and cast (~0.1 ms per 16k tokens).
+# Least keys (Sk) from which the one-pass backward replaces the two-pass one: shorter problems do not repay its
+# per-item set-up and the dQ accumulator's zero-fill and cast (docs/lessons.md, "When the one-pass backward
+# runs"); causal runs persistent over pairs of key tiles (docs/lessons.md, "Equal work items for persistent
+# causal kernels").
 ONE_PASS_MIN_KEYS = 4096
-# The same at D = 256, whose two-pass kernels are the portable ones, and at head dims padded to a width.
-# Backward alone, one-pass against two-pass, 16k tokens, non-causal / causal (benchmarks/tune_one_pass.py,
-# NOTES: "D = 256: the one-pass backward on halves of the columns"): D=256 -8% / 0 at S=256, +10 / +22% at 512,
-# +25 / +43% at 1024; D=192 +15 / +17% at 256; D=96 +14% non-causal at 512, D=96 and 112 +18-22% at 1024, D=80
-# +15 / +36% at 2048.
+# The same at D = 256, whose two-pass kernels are the portable ones, and at head dims padded to a width: there
+# the one-pass kernel pays from far fewer keys (docs/lessons.md, "When the one-pass backward runs").
 ONE_PASS_MIN_KEYS_WIDE_OR_PADDED = 512
-# Most keys for it: its fp32 dQ accumulator raises fwd+bwd peak memory from 1.01x to 1.25x the
-# tensors a backward must hold (q, k, v, o, dO, dq, dk, dv, lse; `..._memory15.json`, B=1 H=16
-# D=128, S = 8192 ... 131072).  At the longest sequences memory binds, so there the two-pass kernels
-# (no accumulator) run.
+# Most keys for it: its fp32 dQ accumulator adds about a quarter to the tensors a backward must hold
+# (q, k, v, o, dO, dq, dk, dv, lse).  At the longest sequences memory binds, so there the two-pass
+# kernels (no accumulator) run.
 ONE_PASS_MAX_KEYS = 32768
 
 
@@ -314,10 +299,10 @@ def one_pass_backward(shapes: FlashShapes, options: FlashOptions, sparse: Option
 
 
 # The Gluon forward (forward_gluon.py): (BLOCK_M, BLOCK_N, STAGES) by head dim; two 64-row compute warpgroups,
-# 4 warps each.  Against the Triton forward (kernel time, 16k tokens, S = 1024-16384, NOTES: "No ping-pong between
-# the warpgroups"): D=128 non-causal +9-15%, causal +26-38%; D=64 non-causal +2-4%, causal +6-17%.  (STAGES = 3 at
-# D=64 gained nothing.)  D=256: Q (64 KB) and two stages of 64-key K and V tiles (128 KB), O staged in Q's buffers
-# (forward_gluon's O_IN_Q); a warpgroup holds O in 128 registers a thread and S in 32.
+# 4 warps each.  (STAGES = 3 at D=64 gains nothing: docs/lessons.md, "At D = 64 the forward is bound by exp2".)
+# D=256: Q (64 KB) and two stages of 64-key K and V tiles (128 KB), O staged in Q's buffers (forward_gluon's
+# O_IN_Q; docs/lessons.md, "D = 256: O staged in Q's buffers"); a warpgroup holds O in 128 registers a thread and
+# S in 32.
 GLUON_FWD_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
 
 
@@ -336,7 +321,8 @@ GLUON_FWD_WARPS = 4
 # that a key tile's copy is issued a whole key tile before its softmax reads it, not one S GEMM before.  What fits
 # beside Q, O and two stages of K and V, in bytes per score of one tile held twice, by tile width: at 128 one byte
 # (a mask alone; a 16-bit bias holds its second tiles in O's staging buffers), at 64 three (a 16-bit bias and a
-# mask), at 256 (64-key tiles, O staged in Q's buffers) two (a 16-bit bias or a mask: 229,744 and 213,360 bytes).
+# mask), at 256 (64-key tiles, O staged in Q's buffers) two (a 16-bit bias or a mask).  docs/lessons.md, "Bias and
+# mask tiles: copied ahead into shared memory".
 GLUON_SCORE_BYTES_TWICE = {64: 3, 128: 1, 256: 2}
 
 
@@ -357,7 +343,7 @@ def gluon_load_first(shapes: FlashShapes, causal: bool) -> bool:
     registers (forward_gluon's LOAD_FIRST), rather than the first compute warpgroup the default with what the
     others leave (232).  Only for a causal mask on the 128-wide tiles, whose key loop at 232 registers reloads
     spilled ones on every key tile; in the other variants the order cleared no loop, and dropout's loops spilled
-    with it (NOTES: "A causal mask at D = 128: the load warp as the default partition")."""
+    with it (docs/lessons.md, "A causal mask at D = 128: the load warp as the default partition")."""
     return shapes.has_mask and causal and gluon_tile_width(shapes.head_dim) == 128
 
 
@@ -403,18 +389,13 @@ def gluon_forward(shapes: FlashShapes, options: FlashOptions, sparse: Optional[S
 
 # Causal sliding windows of at most this many keys a row, by head dim, run the forward on the portable kernel
 # (its tiles: tiles.default_config), not the Gluon one.  A window's query tile reads few key tiles, so the
-# Gluon forward's fixed cost per work item (NOTES: "Short items pay a fixed cost per query tile") dominates,
-# where the portable grid of 64 x 64 tiles runs several programs per SM that hide each other's set-up.  H200,
-# S=8192, forward kernel time, portable / Gluon (NOTES: "Short windows run the portable forward"): D=64 (H=32)
-# window 128 with sinks 0.144 / 0.230 ms, 256 0.181 / 0.214, 512 0.250 / 0.266, 1024 0.390 / 0.402; D=128 (H=16)
-# window 128 with sinks 0.121 / 0.142, 256 0.159 / 0.152.
+# Gluon forward's fixed cost per work item (docs/lessons.md, "Short items pay a fixed cost per work item")
+# dominates, where the portable grid of 64 x 64 tiles runs several programs per SM that hide each other's set-up
+# (docs/lessons.md, "Short windows run the portable kernels").
 SHORT_WINDOW_KEYS = {64: 1024, 128: 128}
 # The same for the backward: the portable two-pass kernels (on tiles.SHORT_WINDOW_DKDV_TILE / DQ_TILE) instead of
-# the one-pass Gluon one or the warp-specialised two-pass one.  H200, S=8192, fwd+bwd kernel time (the same
-# portable forward in each), portable (best tile) / one-pass / warp-specialised, ms (NOTES: "Short windows run the
-# portable backward too"): D=64 (H=32) window 128 with sinks 0.615 / 0.722 / 0.827, 512 1.082 / 1.114 / 1.233,
-# 1024 1.691 / 1.638 / 1.761; D=128 (H=16) window 128 with sinks 0.535 / 0.698 / 0.685, 256 0.676 / 0.794 / 0.801,
-# 512 0.955 / 0.994 / 1.004, 1024 1.473 / 1.387 / 1.392.
+# the one-pass Gluon one or the warp-specialised two-pass one: their per-item cost dominates a short window's
+# key tiles too (docs/lessons.md, "Short windows run the portable kernels").
 SHORT_WINDOW_BWD_KEYS = {64: 512, 128: 512}
 
 
@@ -471,21 +452,18 @@ def whole_array_rows(shapes: FlashShapes, strides, names) -> bool:
                for n in names)
 
 
-# Warp-specialised backward tiles (4-warp loops, as the forward's), by padded head dim, from the probe (NOTES:
-# "The warp-specialised backward's tiles"): the tile a program owns must be 128 rows, which the pass splits
-# over two consumer warpgroups (64-row ones ran both on the same rows: half speed).  D=64: the specialised dQ
-# loses to the portable one (probe; and in ours by 3-16%, NOTES: "The warp-specialised backward's tiles";
-# persistent, by 5-9%, NOTES: "Persistent launches"), and the specialised dK/dV gains on a grid only where a
-# causal or window band masks tiles, which cost the portable kernel more: +4-12% there, -4 to +5% unmasked
-# (NOTES: "The warp-specialised backward's tiles").  Persistent, it also gains unmasked: +6-8% (NOTES:
-# "Persistent launches").
+# Warp-specialised backward tiles (4-warp loops, as the forward's), by padded head dim (docs/lessons.md, "The
+# warp-specialised backward's tiles"): the tile a program owns must be 128 rows, which the pass splits over two
+# consumer warpgroups (64-row ones ran both on the same rows).  D=64: the specialised dQ loses to the portable
+# one, grid or persistent, and the specialised dK/dV gains on a grid only where a causal or window band masks
+# tiles, which cost the portable kernel more; persistent, it also gains unmasked.
 WS_DKDV_TILES = {128: TileConfig(64, 128, 4, 2)}
 WS_DKDV_BANDED_OR_PERSISTENT_TILES = {**WS_DKDV_TILES, 64: TileConfig(64, 128, 4, 2)}
 WS_DQ_TILES = {128: TileConfig(128, 128, 4, 2)}
 # A lower bar than WS_MIN_KEY_WORK for the least Sq * D and Sk * D (D: the larger head dim, unpadded) at which
-# the specialised backward of problems without a band pays, by padded head dim.  Kernel times (CUDA graphs,
-# NOTES: "Short bands run their edges inside the one loop") with the rule off at S=1024: D=128 non-causal
-# backward +9%, causal -1% (so bands keep WS_MIN_KEY_WORK); D=64's banded dK/dV -10% (and -3% at S=2048).
+# the specialised backward of problems without a band pays, by padded head dim: at D=128 the unbanded backward
+# repays its set-up on fewer keys; bands keep WS_MIN_KEY_WORK (docs/lessons.md, "The work bar for
+# warp-specialised launches").
 WS_BWD_MIN_WORK = {128: 1 << 17}
 
 
@@ -501,8 +479,8 @@ bool = False
     since its GQA loop over the group's heads would be a second loop.  A causal or window band runs
     whole in the one loop, position-masked on every tile (backward.py).  `persistent`: the kernels
     would run persistent (persistent_backward), which drops the work bar: the bar kept short
-    programs off the per-program set-up that persistence pays once per SM (kernel time at S=1024,
-    NOTES: "Persistent launches": causal backward +23% at D=128, +7% at D=64, non-causal D=128 +2%), and lets
+    programs off the per-program set-up that persistence pays once per SM (docs/lessons.md, "The work
+    bar for warp-specialised launches"), and lets
     D=64 dK/dV specialise without a band (WS_DKDV_BANDED_OR_PERSISTENT_TILES)."""
     const = dict(constexprs)
     width = max(const["BLOCK_D"], const["BLOCK_DV"])
@@ -522,16 +500,12 @@ def one_pass_persistent(shapes: FlashShapes, options: FlashOptions, strides, til
                         flag: Optional[str] = None, sparse: Optional[SparseInfo] = None) -> bool:
     """Whether the one-pass kernel runs persistent (a program per SM, work items dealt round-robin).
 
-    Non-causal it pays where items are short: kernel time at 16k tokens, S=1024 (NOTES: "When the one-pass
-    backward runs"):
-    0.93 -> 0.85 ms at D=128, 1.27 -> 1.05 ms at D=64 (a program per item spent ~10 us building
-    its descriptors); so, as the two-pass kernels, up to PERSISTENT_BWD_MAX_KEYS keys.  Causal
-    items are pairs of key tiles, every pair the same work (backward_gluon._work_item), at every
-    length: backward time against a program per key tile (NOTES: "Equal work items for persistent causal
-    kernels") D=128 +6% at S=2048, +5%
-    at 4096, +1% at 16384; D=64 +17%, +13%, 0.  (Dealt round-robin one key tile each, unequal, the
-    programs drifted apart: NOTES: "When the one-pass backward runs".)  So causal needs an even number of
-    key tiles.  Needs
+    Non-causal it pays where items are short (a program per item spends a fixed time building its
+    descriptors: docs/lessons.md, "Persistent launches"); so, as the two-pass kernels, up to
+    PERSISTENT_BWD_MAX_KEYS keys.  Causal items are pairs of key tiles, every pair the same work
+    (backward_gluon._work_item), at every length: dealt round-robin one key tile each, unequal, the
+    programs drift apart (docs/lessons.md, "Equal work items for persistent causal kernels").  So
+    causal needs an even number of key tiles.  Needs
     descriptors over whole arrays as (batch * seq, heads * head dim) matrices: Sq and Sk tile
     multiples (no tile reaches into the next batch), and in query, key, value and out the heads
     side by side (head stride == head dim) and the batches end to end (batch stride == seq * seq

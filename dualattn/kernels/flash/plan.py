@@ -78,7 +78,7 @@ def softcap_mode(shapes: FlashShapes, options: FlashOptions, hardware_tanh: bool
 def head_blocks(head_dim: int, head_dim_v: int) -> Tuple[int, int]:
     """(BLOCK_D, BLOCK_DV): the q/k and v head dims padded to powers of two, but never a tile of 32
     columns or fewer narrower than the other's: Triton 3.6 miscompiles those portable kernels on
-    sm_90 (benchmarks/NOTES.md "Narrow head-dim tiles", all found by the GPU fuzz):
+    sm_90 (docs/lessons.md, "Narrow head-dim tiles miscompile"; all found by the GPU fuzz):
     - narrow V: wrong outputs or illegal addresses at D = 20-72 with Dv = 16-32 and unaligned rows,
       and an out-of-range shared address in the fp32 block-sparse dK/dV at D = 128, Dv = 16;
     - narrow q/k: a misaligned 16-byte shared store in the fp32 block-sparse dQ at D = 16,
@@ -243,7 +243,7 @@ def used(planned):
 
 def _memoised(plan_fn):
     """Plans are pure functions of hashable descriptions: build each one once per process.
-    (Re-planning cost ~10-30 us of host time per call, which counts at short sequences.)"""
+    (Re-planning costs host time per call, which counts at short sequences.)"""
     cached = plan_memo(
         lambda shapes, options, strides, config, diag_shift, sparse, flags: plan_fn(
             shapes, options, dict(strides), config=config, diag_shift=diag_shift, sparse=sparse, **dict(flags)))
@@ -398,8 +398,8 @@ def plan_forward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str, 
 
     if ws:
         return launch(WS_TILE, True, True, then=launch(WS_EDGES_TILE, False, False) if split else None)
-    # ptxas 3.6 crashed (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
-    # warps; benchmarks/results/2026-11-22_h100_tune_tma_fwd.log).
+    # ptxas 3.6 crashes (segfault) on 2-stage TMA forward tiles (128x128/8 warps, 128x64/4
+    # warps; docs/lessons.md, "TMA alone buys nothing").
     return launch(config.fwd, _use_tma(tma, shapes, constexprs) and config.fwd.num_stages != 2, False)
 
 
@@ -460,10 +460,9 @@ def varlen_as_documents(shapes: FlashShapes, options: FlashOptions, strides, *, 
     varlen_backward_as_documents is the backward's rule: it takes this out and lse as they are."""
     flag = env.get(VARLEN_DOCUMENTS_ENV)
     problem = _one_table_as_documents(shapes, options, strides, sparse, flag)
-    # Below D = 128 the varlen forward is as fast as the Gluon one plus the two launches that make the
-    # ids and ranges (H200, 8 x 2048 causal, D = 64: 306 varlen against 280 TFLOP/s; at D = 128 it is
-    # 334 against 383: benchmarks/NOTES.md 'Varlen with one table as documents').  Wider heads, which the
-    # Gluon forward also takes, were not measured here: they keep the varlen kernels.
+    # Below D = 128 the Gluon forward does not repay the two launches that make the ids and ranges
+    # (docs/lessons.md, "Varlen with one table as documents").  Wider heads, which the Gluon forward
+    # also takes, were not measured here: they keep the varlen kernels.
     if problem is None or (shapes.head_dim != 128 and flag != "1"):
         return None
     dense, dense_strides = problem
@@ -481,8 +480,8 @@ def varlen_backward_as_documents(shapes: FlashShapes, options: FlashOptions, str
     DUALATTN_VARLEN_DOCUMENTS=1: the ids launch heads the dK/dV chain (the dQ launches find the ids among its
     results), the gradients come back varlen-shaped.  Tokens in no sequence attend nothing and nothing attends
     them, so their gradients are the zeros the varlen kernels leave.  Whatever ran the forward, out and lse
-    are the same arrays.  Every head dim: the one-pass backward of documents beat the two-pass varlen
-    kernels at D = 64 as at 128 (benchmarks/NOTES.md, 'Varlen with one table as documents')."""
+    are the same arrays.  Every head dim: the one-pass backward of documents beats the two-pass varlen
+    kernels at D = 64 as at 128 (docs/lessons.md, "Varlen with one table as documents")."""
     flag = env.get(VARLEN_DOCUMENTS_ENV)
     problem = _one_table_as_documents(shapes, options, strides, sparse, flag)
     # (no one-pass kernel without a Gluon launcher, or with deterministic: then the dense plan is not made)
@@ -634,7 +633,8 @@ def plan_backward(shapes: FlashShapes, options: FlashOptions, strides: Dict[str,
         scalars=tuple((k, scalar[k]) for k in ("stride_ob", "stride_os", "stride_oh", "stride_lse_b",
                                                 "stride_lse_h", "seqlen_q", "total_q", "num_heads_q")),
         # Placeholders the kernels never write (no sinks, no bias) are neither zero-filled nor, in
-        # torch, allocated: host time that counts at short sequences (NOTES: "Fewer Python layers per call").
+        # torch, allocated: host time that counts at short sequences (docs/lessons.md, "Fewer Python layers
+        # per call").
         outputs=(Output("delta", lse_shape, "float32"),
                  Output("dsinks_partial", (shapes.batch * shapes.heads_q * n_m_blocks, max(1, num_sinks)),
                         "float32", zeroed=num_sinks > 0, placeholder=num_sinks == 0)),

@@ -19,7 +19,7 @@ shared by every head).  RANGES[b, tile] = (first other position, end position, p
 multiples of BLOCK_OTHER; (0, 0) for either range when it is empty.
 
 Every own tile reads the whole other axis, so the work grows with the square of the sequence: read
-id by id, 0.2 ms at 64k tokens (H200), more than the attention of short packed documents takes.  On
+id by id, on long packs it takes longer than the attention of short packed documents.  On
 a long other axis (plan.segment_ranges_first) a first launch gives each other tile its [min, max]
 ids (segment_tile_ids_kernel) and the ranges are read from those, BLOCK_OTHER times fewer values;
 the ranges are the same either way.
@@ -61,7 +61,8 @@ def segment_ranges_kernel(QSEG, KSEG, TILE_IDS, seg_stride_qb, seg_stride_kb, se
                           RANGES, BLOCK_OWN: tl.constexpr, BLOCK_OTHER: tl.constexpr, OWN_IS_QUERY: tl.constexpr,
                           CHUNK_TILES: tl.constexpr, FROM_TILE_IDS: tl.constexpr):
     """One program per own tile; the other axis is read CHUNK_TILES tiles at a time, each chunk's tiles reduced
-    together (a loop over single tiles was a chain of dependent loads: 40 us at 16k tokens).  FROM_TILE_IDS:
+    together (a loop over single tiles is a chain of dependent loads: docs/lessons.md, "Segment ids bound the
+    band by per-tile id ranges").  FROM_TILE_IDS:
     each other tile's [min, max] ids are read from TILE_IDS (segment_tile_ids_kernel) rather than reduced
     from its ids."""
     tile = tl.program_id(0)

@@ -1,6 +1,6 @@
 """Tiles of the flash launches: the tuned tables and how a problem's config is chosen.
 
-default_config gives a problem's (fwd, dK/dV, dQ) tiles: the table tuned on the H100 first
+default_config gives a problem's (fwd, dK/dV, dQ) tiles: the tuned table first
 (benchmarks/tune_flash.py), then heuristics by head dim and dtype.  The executor (dualattn/executor.py)
 asks it last, after an override, its caches and autotuning; fit.py may then lower stages or tiles
 where a variant would not fit the device's shared memory.  The Hopper kernels' fixed tiles live
@@ -61,18 +61,16 @@ class FlashConfig:
     bwd_dq: TileConfig
 
 
-# Tiles measured best on the H100 by benchmarks/tune_flash.py (see benchmarks/NOTES.md), keyed by
+# Tiles tuned by benchmarks/tune_flash.py (docs/lessons.md, "The tuned tiles"), keyed by
 # "sm<arch>:d<head-dim bucket>:<causal|full>" -> (fwd, dkdv, dq) as (block_m, block_n, warps, stages).
 TUNED: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
-    # H100, 2026-11-22, 16k tokens at S=8192, H=16 (D=128) / 32 (D=64), bf16, after the loads
-    # became software-pipelined (benchmarks/results/2026-11-22_h100_tune_pipelined.json).
+    # Tuned at S=8192, bf16, on option-free problems (the loads software-pipelined).
     "sm90:d128:full": ((128, 128, 8, 3), (32, 64, 4, 4), (128, 64, 8, 3)),
     "sm90:d128:causal": ((128, 128, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
     "sm90:d64:full": ((64, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 3)),
     "sm90:d64:causal": ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)),
-    # H200 (sm_90, the H100's shared memory), 2026-11-26, D=256 (and 192, padded to it), S=4096, B=2, H=16,
-    # bf16 (benchmarks/results/2026-11-26_h200_tune_d256_log.json): forward 378 -> 501 TFLOP/s and backward alone 95 -> 262
-    # non-causal.  The old heuristic's 32-row backward tiles left the tensor cores idle.
+    # D=256 (and 192, padded to it), tuned at S=4096, bf16: the heuristic's 32-row backward tiles leave the
+    # tensor cores idle.
     "sm90:d256:full": ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 3)),
     "sm90:d256:causal": ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 3)),
 }
@@ -102,27 +100,23 @@ def tuned_key(arch: int, head_dim: int, causal: bool, seqlen: Optional[int] = No
 
 # A causal sliding window of at most SHORT_WINDOW_TILE_KEYS keys a row (GPT-OSS's 128-token layers): the
 # portable forward on 64 x 64 tiles, whose query tile reads three key tiles of which two thirds are in the
-# window, where a 128 x 128 tile reads two of which half are.  H200, D=128, B=2, H=16, S=8192, window 128, forward
-# kernel time with sinks (NOTES: "Short windows run the portable forward"): 0.121 ms against 0.185 with the
-# tuned 128 x 128 / 8 warps and 0.142 on the Gluon kernel.  (At D=64 the tuned forward tile is 64 x 64 already.)
+# window, where a 128 x 128 tile reads two of which half are; it beats both the tuned 128 x 128 tile and the Gluon
+# kernel there (docs/lessons.md, "Short windows run the portable kernels").  (At D=64 the tuned forward tile is
+# 64 x 64 already.)
 SHORT_WINDOW_TILE_KEYS = 128
 SHORT_WINDOW_FWD_TILE = TileConfig(64, 64, 4, 3)
 # The portable two-pass backward of short windows (hopper.short_window_backward): 32-row dK / dV and 32-key dQ
-# steps, for windows of at most SHORT_WINDOW_BWD_TILE_KEYS keys by padded head dim.  Fwd+bwd kernel time, H200
-# (benchmarks/results/2026-11-27_h200_short_window_backward_ab*.log), against the tuned causal tiles (D=128: 64 x 128
-# / 8 warps, 128 x 64 / 8; D=64: 64 x 64, 128 x 64) and 64 x 64 ones: D=128 window 128 with sinks 0.535 ms / 0.639 /
-# 0.747, 256 0.676 / 0.823 / 0.933, 512 0.955 / 1.076 / 1.314; D=64 window 128 with sinks 0.615 / 0.642 / 0.626,
-# 512 1.110 / 1.103 / 1.085 (so only up to 128 keys there).
+# steps, for windows of at most SHORT_WINDOW_BWD_TILE_KEYS keys by padded head dim: there they beat the tuned
+# causal tiles and 64 x 64 ones, at D=64 only up to 128 keys (docs/lessons.md, "Short windows run the portable
+# kernels").
 SHORT_WINDOW_DKDV_TILE = TileConfig(32, 64, 4, 3)
 SHORT_WINDOW_DQ_TILE = TileConfig(64, 32, 4, 3)
 SHORT_WINDOW_BWD_TILE_KEYS = {64: 128, 128: 512}
 # The portable forward with a bias or an attention mask at head dims above 128 on sm_90 (the Gluon forward takes
 # them where its score tiles fit; this serves a float32 bias with a mask at D = 144-256, and launchers without
-# Gluon): the tuned 128 x 64 tile spills 1-3 KB a thread (sm_90a, ptxas 3.6), 64 x 32 on 4 warps 0.5 KB (the
-# heuristic tile where nothing is tuned, as on sm_80).  H200, B=2, H=8, S=4096, D=256,
-# forward kernel time (benchmarks/ab_portable_score_tiles.py; NOTES: "The portable forward's tile with a bias at
-# D = 256"): float32 bias and mask 9.91 ms -> 3.30; 16-bit bias (Gluon off) 3.75 -> 2.51.  At D = 96 and 128 the
-# plan's own tile (shrunk by fit to 64 x 128 / 8 warps) stayed fastest.
+# Gluon): the tuned 128 x 64 tile spills kilobytes a thread beside the score tile, 64 x 32 on 4 warps far less
+# (the heuristic tile where nothing is tuned, as on sm_80).  At D = 96 and 128 the plan's own tile (shrunk by fit
+# to 64 x 128 / 8 warps) stays fastest (docs/lessons.md, "The tuned tiles").
 SCORED_WIDE_FWD_TILE = TileConfig(64, 32, 4, 2)
 
 

@@ -9,8 +9,8 @@ BRANCHES says how many there are, so slot 0 always holds an array.  The sum is c
 output dtype, term by term in that order (the compiler may fuse a product and its sum into one
 rounding, which the framework expression rounds twice).  Why a kernel: torch runs that expression as a
 broadcast multiply per branch plus the adds, and its backward as a multiply and a reduction per
-branch: at T = 64k, Hq = 64, D = 128 each of those passes reads and writes 1 GB, and the forward's
-five took 5.4 of NSA's 42 ms (H200, torch.profiler; docs/nsa.md).  The JAX front end runs these
+branch: at T = 64k, Hq = 64, D = 128 each of those passes reads and writes 1 GB (docs/lessons.md,
+"NSA's gates and pooling are shared kernels").  The JAX front end runs these
 kernels too with backend "triton", so that its output is torch's to the bit (XLA would fuse the
 expression into one loop of its own, rounded its own way); "xla" keeps jnp.
 """

@@ -4,8 +4,8 @@ has rows (plan.key_major says when).
 
 The query-major programs (selected.nsa_fwd_kernel, nsa_bwd_dq_kernel) read each token's S selected K/V
 blocks: the same B * T * Hkv * S blocks of BLOCK_SIZE * (D + Dv) elements whatever the group size, so a
-small group pays the bytes of a large one for a fraction of its work (H200, T = 64k, Hkv = 4, 16 blocks
-of 64, D = 128: forward 15.6 ms at group 16, 13.5 at group 4).  Here each (KV group, key block) is read
+small group pays the bytes of a large one for a fraction of its work (docs/lessons.md, "NSA's selected
+branch for small groups: key-major").  Here each (KV group, key block) is read
 once per chunk of the tokens that selected it, and the bytes that move are per selection entry: the
 entry's GROUP query rows in, its GROUP partial result rows out, and those back in for their sum.
 

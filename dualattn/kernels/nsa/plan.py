@@ -38,22 +38,17 @@ Backward: two passes, no atomics (BackwardPlan).
   statically (max_chunks), and programs past the real count exit at once.
 
 Why: the single pass that added every visited block's [BLOCK_N, D] dK, dV tile to fp32 buffers
-with atomics spent most of the backward in those atomics (H200, bf16, D = 128, Hkv = 4, group 16,
-T = 8k, 16 blocks of 64: selected branch fwd 6.15 ms, fwd + bwd 40.8 ms), and its summation order
-changed from run to run.  Now the backward is bitwise reproducible: the sort is stable, the chunks
+with atomics spent most of the backward in those atomics, and its summation order changed from run
+to run (docs/lessons.md, "NSA's backward: key-major dK / dV over chunked lists").  Now the backward is bitwise reproducible: the sort is stable, the chunks
 are fixed by the list lengths alone, each chunk is walked in one fixed order, its partial sums are
 added in chunk order, and every element is written by one program.
 
 Load imbalance, and why chunks: early blocks are selected by many tokens (block 0 by nearly all of
 them, a token's own block by the few tokens inside it), so whole lists differ in length by up to
-the sequence length over the block size.  One program per list ran for the longest one alone
-(H200, bf16, D = 128, Hkv = 4, T = 64k, 16 blocks of 64, top-k selections: dK / dV 51 ms at group
-16, block 0's program walking ~64k tokens x 16 heads, against 30 ms for dQ).  Chunks bound every
-program's walk; the chunk table lists block 0's chunks first, then block 1's, ..., so the long
-lists' chunks start first and the short last chunks fill in behind them.  Measured once so far:
-the selected branch's fwd + bwd at T = 64k, group 16 stayed at 109.6 ms (108.8 before the chunks),
-so something else bounds it there (87.1 ms since the forward and dQ programs run on one warp: tiles();
-docs/nsa.md).
+the sequence length over the block size.  One program per list ran for the longest one alone (block
+0's program walking every token of every head of the group).  Chunks bound every program's walk; the
+chunk table lists block 0's chunks first, then block 1's, ..., so the long lists' chunks start first
+and the short last chunks fill in behind them.
 """
 from __future__ import annotations
 
@@ -64,16 +59,16 @@ from ..launch import Launch, Output, cdiv, next_pow2, plan_memo, row_major_strid
 
 TENSOR_CORE_ROWS = 16
 # Rows of a dK / dV step: TOKENS_KV tokens * GROUP_PAD heads.  32: with 64 rows, 16-bit D = 128 programs
-# of 32 keys on 4 warps need 192-255 registers, against 166-178 (and 64 keys on 8 warps spilled at 64 rows).
+# of 32 keys on 4 warps need too many registers (and 64 keys on 8 warps spilled at 64 rows).
 DKV_ROWS = 32
 # A 16-bit dK / dV program at D <= 128: 32 keys on 4 warps (dkv_tiles).
 DKV_KEYS_16BIT = 32
 DKV_WARPS_16BIT = 4
 # Their register cap where a head is wider than 64: three programs of 4 warps an SM (65536 / (3 * 128) = 170,
-# rounded down to ptxas's unit of 8).  Left to itself ptxas gives the same program 168 or 182-190 registers
-# by Triton release and by whether an int argument equal to 1 (the lse's head stride) is a constant, which
-# jax-triton makes it: two programs an SM, JAX's dK / dV 33.0 ms against torch's 26.5 at T = 64k (NOTES: "JAX's
-# NSA dK/dV: jax-triton makes the lse head stride a constant").  Capped, both compile to 163-168 registers.
+# rounded down to ptxas's unit of 8).  Left to itself ptxas gives the same program more or fewer registers by
+# Triton release and by whether an int argument equal to 1 (the lse's head stride) is a constant, which
+# jax-triton makes it, and then two programs fit an SM (docs/lessons.md, "NSA's dK/dV: a register cap, not the
+# assembler's choice").  Capped, both compile to the same occupancy.
 DKV_MAX_REGISTERS = 168
 FWD_INPUTS = ("query", "key", "value", "block_indices", "block_counts", "cu_seqlens")
 BWD_INPUTS = ("query", "key", "value", "out", "dout", "lse", "block_indices", "block_counts", "cu_seqlens")
@@ -141,10 +136,8 @@ def tiles(shapes: NsaShapes) -> NsaTiles:
     """Rows = TOKENS * GROUP_PAD >= 16 (module docstring); key steps of 32 keys (at most 64 where rows
     are more than 16 at D <= 128; 32 at D > 128, to keep the backward's [rows, D] and [keys, D] fp32
     tiles in registers).  At D <= 128, 16 rows (every group of at most 16 heads) run on one warp: one tensor-core
-    tile's rows, no reduction across warps, and many programs per SM to hide the gathers' latency.
-    Against 4 warps and 64-key steps (H200, bf16, D = 128, Hkv = 4, 16 blocks of 64, T = 64k; the
-    dQ pass runs these programs too): group 16 fwd 27.7 -> 15.7 ms, fwd + bwd 110.7 -> 87.1 ms;
-    group 4 24.9 -> 13.5 and 65.8 -> 43.8 (benchmarks/results/2026-11-27_h200_nsa_tiles_sweep.json)."""
+    tile's rows, no reduction across warps, and many programs per SM to hide the gathers' latency
+    (docs/lessons.md, "NSA's warps per program"; the dQ pass runs these programs too)."""
     group_pad = next_pow2(shapes.group_size)
     tokens = max(1, TENSOR_CORE_ROWS // group_pad)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
@@ -228,9 +221,8 @@ def dkv_chunk(shapes: NsaShapes) -> int:
     S * block_size, a bucket's mean list length (entries / buckets), so that only lists longer than
     the mean are split and the chunk count (max_chunks) stays within twice the buckets: the scratch
     within twice fp32 dK, dV.  (At 128 steps a chunk at group 16 would be 256 entries: at T = 64k,
-    S = 16, block 64, Hkv = 4, D = 128 a 1.3 GB scratch; this way 512 steps and 0.54 GB.  At the
-    1.6 us a step measured on an H200 that is a 0.8 ms walk, where the whole pass is ~16k steps per
-    SM, one program per SM.)  A multiple of the kernel's TOKENS_KV, so only a list's last step is
+    S = 16, block 64, Hkv = 4, D = 128 a 1.3 GB scratch; this way 512 steps and 0.54 GB, a walk still
+    short against the whole pass's steps per SM.)  A multiple of the kernel's TOKENS_KV, so only a list's last step is
     partial."""
     tokens = dkv_tiles(shapes).tokens
     entries = max(DKV_CHUNK_ROWS // next_pow2(shapes.group_size), shapes.num_slots * shapes.block_size)
@@ -307,9 +299,9 @@ def plan_forward(shapes: NsaShapes, softmax_scale: float, block_count: int, scan
 KEY_MAJOR_ROWS = 64
 KEY_MAJOR_CHUNK_ROWS = 2048
 # Rows of a selection-keys program (tokens) and of a merge program (tokens * GROUP_PAD), the merge's warps
-# and pipeline stages.  Merge rows 128 on 4 warps against 64 (T = 64k, kernel ms): group 1 0.49 -> 0.44,
-# 4 1.93 -> 1.45, 8 3.34 -> 3.39 (results/2026-11-28_h200_nsa_key_major_sweep.json; ptxas spills 100 bytes
-# at D = 128); stages change nothing (the slot loop's loads are not pipelined), 8 warps were slower.
+# and pipeline stages.  Merge rows 128 on 4 warps rather than 64: more loads in flight (ptxas spills a little at
+# D = 128); stages change nothing (the slot loop's loads are not pipelined), and 8 warps are slower
+# (docs/lessons.md, "NSA's selected branch for small groups: key-major").
 KEYS_TOKENS = 64
 MERGE_ROWS = 128
 MERGE_WARPS = 4
@@ -332,11 +324,9 @@ def key_major_tiles(shapes: NsaShapes) -> NsaTiles:
     """The key-major partial programs (forward and dQ) on 4 warps: KEY_MAJOR_ROWS rows (tokens * GROUP_PAD) and
     64-key tiles, halved at D > 128 and again in fp32 (fp32 D = 256 at 32 rows and keys spilled 45 KB),
     so that q, K, V and the fp32 output tile fit the registers.  A block of at most one tile stays in
-    registers for the walk; larger blocks are walked in tiles, reloaded per step.  Against 128 rows on 8
-    warps, 32 rows, or 8 warps (T = 64k, kernel ms at groups 1 / 4 / 8): 64 rows on 4 warps took 0.95 /
-    3.43 / 6.58 with 2 stages, 0.88 / 3.23 / 6.31 with 3, the others 1.18-1.38 / 4.5-5.4 / 8.2-9.7
-    (results/2026-11-28_h200_nsa_key_major_sweep.json; the forward's partials, which the dQ partials
-    follow untimed)."""
+    registers for the walk; larger blocks are walked in tiles, reloaded per step.  64 rows on 4 warps
+    with 3 stages beat 128 rows on 8 warps, 32 rows, and 8 warps (timed on the forward's partials,
+    which the dQ partials follow)."""
     group_pad = next_pow2(shapes.group_size)
     big_d = max(shapes.head_dim, shapes.head_dim_v) > 128
     fp32 = shapes.dtype == "float32"
@@ -353,17 +343,11 @@ def merge_tokens(shapes: NsaShapes) -> int:
 def key_major(shapes: NsaShapes) -> bool:
     """Whether the forward runs key-major (key_major.py): for groups of fewer heads than a tensor-core
     tile's rows, wherever the query-major programs would walk selection entries rather than scan
-    blocks (short sequences: there its sort, merge and extra launches cost more than they save).
-    Measured against the query-major forward (H200, bf16, D = 128, Hkv = 4, 16 blocks of 64, top-k
-    selections; benchmarks/ab_nsa_key_major.py, results/2026-11-28_h200_nsa_key_major_ab_final.json),
-    forward ms query-major -> key-major: T = 64k: group 1 12.1 -> 1.63, 2 12.5 -> 2.85, 4 13.5 -> 5.04,
-    8 14.5 -> 10.0, 16 15.5 -> 16.3 (at group 16 the partial outputs move as many bytes as the K / V
-    blocks they save); T = 8k: group 4 1.23 -> 0.87, 8 1.52 -> 1.33, but groups 1 and 2 (whose
-    programs scan there) 0.85 -> 1.16 and 1.04 -> 1.47 in that run, 0.86 -> 0.73 and 1.04 -> 0.86 in
-    the one before (..._ab.json): a few kernels' worth of GPU time behind the host's launches.
-    The dQ pass follows the same rule (plan_backward); selected-branch fwd + bwd ms, query-major ->
-    key-major, T = 64k: group 1 27.5 -> 5.6, 2 31.7 -> 10.0, 4 37.6 -> 18.9, 8 47.8 -> 37.7; T = 8k: group 4
-    3.76 -> 3.48, 8 5.33 -> 4.74 (results/2026-11-28_h200_nsa_key_major_dq_ab.json)."""
+    blocks (short sequences: there its sort, merge and extra launches cost more than they save, a few
+    kernels' worth of GPU time behind the host's launches).  At group 16 the partial outputs move as
+    many bytes as the K / V blocks they save, so from a tensor-core tile's rows the query-major
+    programs stay.  The dQ pass follows the same rule (plan_backward).  docs/lessons.md, "NSA's
+    selected branch for small groups: key-major"."""
     return shapes.group_size < TENSOR_CORE_ROWS and not scan_blocks(shapes, tiles(shapes))
 
 
@@ -465,9 +449,8 @@ def _key_major_dq(shapes: NsaShapes, scalar: dict, const: dict) -> Tuple[Tuple[L
 def dkv_tiles(shapes: NsaShapes) -> NsaTiles:
     """The dK / dV pass's tiles: `tokens` = TOKENS_KV tokens per step (DKV_ROWS rows), `block_n` keys
     per program.  16-bit at D <= 128: 32 keys on 4 warps, whose warps each hold a quarter of a step's
-    [32 keys, 32 rows] S^T tile (on 8 warps a step's tile is split too thin: 1.4x the fwd + bwd time,
-    NOTES: "NSA's dK / dV programs on 4 warps"); K, V and fp32 dK, dV of 32 keys then take 166-178
-    registers with Triton 3.7 (64 keys on 4 warps: 245-255, results/2026-11-27_cpu_nsa_dkv_registers.log), and
+    [32 keys, 32 rows] S^T tile (on 8 warps a step's tile is split too thin: docs/lessons.md, "NSA's warps
+    per program"); K, V and fp32 dK, dV of 32 keys then fit the registers (64 keys on 4 warps spill), and
     heads wider than 64 are capped at DKV_MAX_REGISTERS so that three programs fit an SM.  Otherwise
     64 keys on 8 warps, at D > 128 32 (16 in fp32), so its K, V and fp32 dK, dV fit the registers
     (fp32 D = 256 with 32 keys: ptxas keeps 32 registers and spills 8.7 KiB; with 16: 288 bytes; on
@@ -580,9 +563,8 @@ def importance_tiles(shapes: NsaShapes) -> ImportanceTiles:
     """The importance kernel's tiles: 128 rows (tokens x the group's padded heads, at most 32 tokens)
     on 4 warps for 16-bit inputs at D <= 128, 64 rows at D > 128, 16 for fp32; 64 pooled blocks a step.
     Each program reads the pooled keys up to its last token's block, so rows are what divides that
-    traffic: with 16 rows the kernel took 9.7 ms at T = 64k, group 16 (2.8 at group 4), with 128 rows
-    2.8 (1.0), the same scores to the bit (H200, bf16, D = 128, Hkv = 4, block 64;
-    benchmarks/tune_nsa_select.py, results/2026-11-27_h200_nsa_select.json).  For groups of up to 16
+    traffic, and 128 rows give the same scores to the bit as 16 (docs/lessons.md, "NSA's importance
+    scores: three loops, not a branch per tile"; benchmarks/tune_nsa_select.py).  For groups of up to 16
     heads these tiles assemble without spills for sm_90 and sm_80 (ptxas -v), except fp32 at D = 256,
     which spills at any row count; larger groups (more rows than the target) can spill."""
     if shapes.dtype == "float32":
@@ -668,8 +650,8 @@ def topk_tiles(block_nb: int) -> Tuple[int, int]:
     """(rows per program, num_warps) of the top-k kernel for rows of block_nb (a power of two) scores:
     2048 scores a warp (64 registers a thread), rows on one warp while they fit, so that a round's
     maximum and first index are warp shuffles, not a reduction across warps through shared memory
-    (T = 64k, 1024 blocks: 1.57 ms on one warp, 1.81 on 4; tune_nsa_select.py).  At most 4 rows, the
-    most the sweep timed (T = 8k, 128 blocks: 4 rows on a warp 0.075 ms, the 4-warp tile 0.115)."""
+    (tune_nsa_select.py).  At most 4 rows, the most the sweep timed, where 4 rows on a warp beat the
+    4-warp tile."""
     return max(1, min(4, 2048 // block_nb)), max(1, block_nb // 2048)
 
 
