@@ -16,13 +16,15 @@ Gemma-2/3, GPT-OSS, ...) then runs dualattn's flash kernels, honouring what the 
                                           over the (B, Sk) padding mask (None without padding), never
                                           an Sq x Sk mask
     packed sequences, batch 1          -> segment ids from position_ids restarting (no mask given)
-A 4-D mask another mask function built (bool, or additive float with large negative entries for
-"masked") is applied as a dense attention_mask.  output_attentions=True is rejected: the kernels
-never form the attention weights.
+A 4-D mask (a caller's own, or one another mask function built) is the whole pattern, as eager and
+sdpa read it (no causal or window added): bool as a dense attention_mask, float as the additive bias it
+is, whatever its values (-1e9, dtype min, -inf, or soft biases).  A query row masked at every key gives
+0, as HF's sdpa path gives it (eager averages the values there).  output_attentions=True is rejected:
+the kernels never form the attention weights.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -32,7 +34,9 @@ NAME = "dualattn"
 
 
 def _mask_info(attention_mask: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
-               position_ids: Optional[torch.Tensor]) -> Optional[MaskInfo]:
+               position_ids: Optional[torch.Tensor]) -> Tuple[Optional[MaskInfo], Optional[torch.Tensor]]:
+    """(mask_info, bias) for one call: padding and packing as segment ids, a 4-D bool mask as a dense
+    attention_mask, a 4-D float mask as the additive bias it is (whatever its values)."""
     sq, sk = query.shape[1], key.shape[1]
     if attention_mask is None:
         if position_ids is not None and query.shape[0] == 1 and sq == sk and position_ids.shape[-1] == sq:
@@ -40,15 +44,18 @@ def _mask_info(attention_mask: Optional[torch.Tensor], query: torch.Tensor, key:
             pos = position_ids.reshape(1, sq)
             starts = torch.ones_like(pos, dtype=torch.int32)
             starts[:, 1:] = (pos[:, 1:] != pos[:, :-1] + 1).to(torch.int32)
-            return MaskInfo(q_segment_ids=torch.cumsum(starts, dim=1, dtype=torch.int32))
-        return None
+            return MaskInfo(q_segment_ids=torch.cumsum(starts, dim=1, dtype=torch.int32)), None
+        return None, None
     if attention_mask.dim() == 2:       # (B, Sk) padding, as HF's flash-attention mask function gives it
-        return MaskInfo.from_padding(attention_mask[:, -sk:], seqlen_q=sq)
-    if attention_mask.dim() == 4:
-        mask = attention_mask[..., -sk:]
-        if mask.dtype != torch.bool:    # additive: 0 where allowed, dtype min where masked
-            mask = mask > torch.finfo(mask.dtype).min / 2
-        return MaskInfo(attention_mask=mask)
+        return MaskInfo.from_padding(attention_mask[:, -sk:], seqlen_q=sq), None
+    if attention_mask.dim() == 4:       # (B or 1, 1 or H, Sq, >= Sk): its first Sk columns, as eager reads it
+        mask = attention_mask[..., :sk]
+        if mask.dtype == torch.bool:
+            return MaskInfo(attention_mask=mask), None
+        if not mask.is_floating_point():
+            raise TypeError(f"a 4-D attention_mask must be bool (True = attend) or an additive float mask, "
+                            f"got {mask.dtype}")
+        return None, mask
     raise ValueError(f"attention_mask must be a (batch, kv_len) padding mask or a 4-D mask, got shape "
                      f"{tuple(attention_mask.shape)}")
 
@@ -68,9 +75,12 @@ def dualattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     window = None
     if sliding_window is not None and sliding_window > 0:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    mask_info = _mask_info(attention_mask, q, k, kwargs.get("position_ids"))
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # A 4-D mask is the whole pattern, as eager and sdpa apply it: no causal or window on top.
+        causal, window = False, None
+    mask_info, bias = _mask_info(attention_mask, q, k, kwargs.get("position_ids"))
     out = attention(q, k, v, algorithm="flash", mask_info=mask_info, softmax_scale=scaling, causal=causal,
-                    sliding_window=window, logits_soft_cap=softcap or None, softmax_aux=s_aux,
+                    sliding_window=window, logits_soft_cap=softcap or None, softmax_aux=s_aux, bias=bias,
                     dropout_prob=float(dropout) if module.training else 0.0)
     return out, None
 

@@ -25,6 +25,26 @@ def _pair(config_cls, **kw):
     return eager, ours
 
 
+def _logits_and_grads(models, ids, attention_mask, real):
+    """Each model's logits and its attention weights' gradients of a loss over the `real` positions."""
+    results = []
+    for m in models:
+        m.zero_grad()
+        logits = m(ids, attention_mask=attention_mask).logits
+        (logits[real] * torch.linspace(-1, 1, VOCAB)).sum().backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                          if p.grad is not None and "self_attn" in n}))
+    return results
+
+
+def _assert_same(eager_result, ours_result, real):
+    (logits_e, grads_e), (logits_o, grads_o) = eager_result, ours_result
+    torch.testing.assert_close(logits_o[real], logits_e[real], atol=2e-5, rtol=1e-4)
+    assert grads_e.keys() == grads_o.keys() and grads_e
+    for name in grads_e:
+        torch.testing.assert_close(grads_o[name], grads_e[name], atol=5e-5, rtol=1e-3, msg=name)
+
+
 def _compare(eager, ours, torch_gen, seq=32, left_pad=5):
     ids = torch.randint(0, VOCAB, (2, seq), generator=torch_gen)
     padding = torch.ones(2, seq, dtype=torch.long)
@@ -39,20 +59,12 @@ def _compare(eager, ours, torch_gen, seq=32, left_pad=5):
 
     dualattn_hf.attention = spy
     try:
-        logits = [m(ids, attention_mask=padding).logits for m in (eager, ours)]
+        results = _logits_and_grads((eager, ours), ids, padding, real)
     finally:
         dualattn_hf.attention = real_attention
     # Padding reached the kernels as segment ids, never as an Sq x Sk mask.
     assert calls and all(c.attention_mask is None and c.q_segment_ids is not None for c in calls)
-    torch.testing.assert_close(logits[1][real], logits[0][real], atol=2e-5, rtol=1e-4)
-    grads = []
-    for m, out in zip((eager, ours), logits):
-        m.zero_grad()
-        (out[real] * torch.linspace(-1, 1, VOCAB)).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None and "self_attn" in n})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], atol=5e-5, rtol=1e-3, msg=name)
+    _assert_same(*results, real)
 
 
 def test_llama_style_gqa_with_padding(torch_gen):
@@ -82,3 +94,26 @@ def test_output_attentions_is_rejected(torch_gen):
     _, ours = _pair(transformers.LlamaConfig)
     with pytest.raises(ValueError, match="output_attentions"):
         ours(torch.randint(0, VOCAB, (1, 8), generator=torch_gen), output_attentions=True)
+
+
+@pytest.mark.parametrize("masked", [-1e9, -1e4, "dtype_min"])
+def test_caller_4d_additive_mask_is_applied_as_eager_applies_it(masked, torch_gen):
+    """A caller's own 4-D additive float mask (a prefix-LM pattern: the first tokens see each other,
+    the rest are causal; left padding) with any large negative value for "masked" gives eager's
+    logits and gradients: the mask is the whole pattern, added as a bias."""
+    eager, ours = _pair(transformers.LlamaConfig)
+    seq, prefix, left_pad = 24, 6, 4
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch_gen)
+    keys_real = torch.ones(2, seq, dtype=torch.bool)
+    keys_real[1, :left_pad] = False
+    pos = torch.arange(seq)
+    allowed = (pos[None, :] <= pos[:, None]) | ((pos[:, None] < prefix) & (pos[None, :] < prefix))
+    allowed = allowed[None, None] & keys_real[:, None, None, :]
+    value = torch.finfo(torch.float32).min if masked == "dtype_min" else masked
+    mask = torch.zeros(2, 1, seq, seq).masked_fill(~allowed, value)
+    real = keys_real & allowed[:, 0].any(-1)          # query rows with a key to attend
+    _assert_same(*_logits_and_grads((eager, ours), ids, mask, real), real)
+    # The prefix is bidirectional: a causal pattern on top would change its logits.
+    causal_only = _logits_and_grads((eager,), ids, mask.masked_fill(pos[None, :] > pos[:, None], value), real)
+    assert not torch.allclose(causal_only[0][0][real], _logits_and_grads((ours,), ids, mask, real)[0][0][real],
+                              atol=1e-3)
