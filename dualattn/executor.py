@@ -267,7 +267,9 @@ class ConfigCache:
     """The on-disk cache file: raw (encoded) entries by key.
 
     Reads are memoised on the file's (mtime, size, inode), so a lookup that misses costs one stat;
-    a corrupt file warns once per version of the file.
+    a corrupt file warns once per version of the file.  A path that cannot hold the file (its
+    directory is a regular file, the file a directory, no permission) warns once and the cache runs
+    empty: every call still runs, on configs from memory, autotuning or the heuristics.
     """
 
     def __init__(self, path: str):
@@ -275,21 +277,35 @@ class ConfigCache:
         self._lock = threading.Lock()
         self._stamp = None
         self._entries: Dict[str, dict] = {}
+        self._unusable = False
+
+    def _cannot_use(self, error: OSError) -> None:
+        if not self._unusable:
+            self._unusable = True
+            warnings.warn(f"dualattn: running without the config cache {self.path} ({error}); set "
+                          f"{CACHE_DIR_ENV} to a directory to keep configs across processes", RuntimeWarning,
+                          stacklevel=5)
 
     def stamp(self):
-        """The file's (mtime, size, inode), None when missing: changes with every write."""
+        """The file's (mtime, size, inode), None when missing or unusable: changes with every write."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return None
+        except OSError as e:   # NotADirectoryError, PermissionError, ...
+            self._cannot_use(e)
+            return None
         return st.st_mtime_ns, st.st_size, st.st_ino
 
     def _read(self, *, warn: bool = True) -> Dict[str, dict]:
-        """The file's entries ({} when missing or corrupt; corrupt warns)."""
+        """The file's entries ({} when missing, unusable or corrupt; corrupt warns)."""
         try:
             with open(self.path) as f:
                 text = f.read()
         except FileNotFoundError:
+            return {}
+        except OSError as e:   # IsADirectoryError, PermissionError, ...
+            self._cannot_use(e)
             return {}
         try:
             return _parse(text)
@@ -312,13 +328,17 @@ class ConfigCache:
         return self.entries().get(key)
 
     def store(self, key: str, record: dict) -> None:
-        """Merge one entry into the file: lock, re-read, replace atomically."""
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with self._lock, _locked(self.path):
-            entries = dict(self._read(warn=False))  # corrupt: already warned on read, now rebuilt
-            entries[key] = record
-            _write_atomic(self.path, {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries})
-            self._stamp, self._entries = self.stamp(), entries
+        """Merge one entry into the file: lock, re-read, replace atomically (nothing, after one warning,
+        where the path cannot hold the file)."""
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with self._lock, _locked(self.path):
+                entries = dict(self._read(warn=False))  # corrupt: already warned on read, now rebuilt
+                entries[key] = record
+                _write_atomic(self.path, {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries})
+                self._stamp, self._entries = self.stamp(), entries
+        except OSError as e:
+            self._cannot_use(e)
 
 
 # ----------------------------------------------------------------------------- executor

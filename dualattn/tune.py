@@ -142,6 +142,11 @@ def main(argv: Optional[Sequence[str]] = None, *, target: Optional[Target] = Non
     if args.shapes is None and not args.show:
         parser.error("give a shapes JSON file to tune, or --show")
     ex = executor.Executor(os.path.join(args.cache_dir, executor.CACHE_FILE)) if args.cache_dir else None
+    # Tuning exists to fill the cache: a path that cannot hold it is an error here, not the warning that
+    # the library's calls give (they run without it).
+    cache_dir = os.path.dirname(ex.disk().path if ex else executor.cache_path())
+    if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+        parser.error(f"the cache directory {cache_dir} (--cache-dir or ${executor.CACHE_DIR_ENV}) is not a directory")
     if args.shapes is not None:
         with open(args.shapes) as f:
             specs = json.load(f)

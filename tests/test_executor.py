@@ -254,6 +254,45 @@ def test_corrupt_file_is_ignored_with_a_warning_and_rebuilt(cache_dir, text):
     assert select(ex.Executor()) == (B, "disk")
 
 
+@pytest.mark.parametrize("blocked", ["dir-is-a-file", "file-is-a-dir"])
+def test_unusable_cache_path_warns_once_and_runs_without_it(tmp_path, monkeypatch, blocked):
+    """DUALATTN_CACHE_DIR naming a regular file (or configs.json a directory): one warning, then every
+    call runs, autotune on or off, on configs kept in memory; nothing raises."""
+    import torch
+    import dualattn.torch_api as dt
+    if blocked == "dir-is-a-file":
+        target = tmp_path / "not-a-dir"
+        target.write_text("")
+    else:
+        target = tmp_path
+        (tmp_path / ex.CACHE_FILE).mkdir()
+    monkeypatch.setenv(ex.CACHE_DIR_ENV, str(target))
+    monkeypatch.delenv(ex.AUTOTUNE_ENV, raising=False)
+    ex.default_executor().clear_memory()
+    q = torch.randn(1, 16, 2, 16)
+    want = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(), q.double()) / 4.0, -1)
+    want = torch.einsum("bhqk,bkhd->bqhd", want, q.double())
+    with pytest.warns(RuntimeWarning, match="without the config cache"):
+        out = dt.flash_attention(q, q, q)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    e = ex.Executor()
+    with pytest.warns(RuntimeWarning, match="without the config cache"):
+        assert select(e, Tuner(B), autotune=True) == (B, "autotune")   # saved in memory only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # once per path, not per call
+        torch.testing.assert_close(dt.flash_attention(q, q, q), out)
+        assert select(e, Tuner(C), autotune=True) == (B, "memory")
+
+
+def test_tune_refuses_a_cache_dir_that_is_a_file(tmp_path, capsys):
+    from dualattn import tune
+    target = tmp_path / "not-a-dir"
+    target.write_text("")
+    with pytest.raises(SystemExit):
+        tune.main(["--show", "--cache-dir", str(target)])
+    assert "not a directory" in capsys.readouterr().err
+
+
 def test_bad_entry_is_ignored_with_a_warning(cache_dir):
     where = dict(platform="cuda", backend="triton", device_name=CUDA["device_name"])
     key = ex.Executor().save("flash", shapes=shapes(), options=OPTS, config=A, **where)
