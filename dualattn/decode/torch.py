@@ -15,11 +15,17 @@ from typing import Optional, Tuple
 import torch
 
 from ..kernels.launch import sm_count
-from ..torch_api import _launch
 from . import plan as decode_plan
 from .plan import DecodeOptions
 
 Tensor = torch.Tensor
+
+
+def _launcher():
+    # Imported on first use: torch_api re-exports this module, so importing its launcher here at import
+    # time would be circular.
+    from ..torch_api import _launch
+    return _launch
 
 
 def _sms(device: torch.device) -> int:
@@ -55,7 +61,7 @@ def _append_impl(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tens
                   rotary_cos=_interpreted(None if rotary_cos is None else rotary_cos.contiguous()),
                   rotary_sin=_interpreted(None if rotary_sin is None else rotary_sin.contiguous()),
                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table)
-    res = _launch.run(launch, arrays, outputs={"k_out": kc, "v_out": vc})
+    res = _launcher().run(launch, arrays, outputs={"k_out": kc, "v_out": vc})
     if widen:
         k_cache.copy_(kc)
         v_cache.copy_(vc)
@@ -80,7 +86,7 @@ def _attend_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Opt
                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                   block_table=block_table, alibi_slopes=alibi_slopes,
                   softmax_aux=None if softmax_aux is None else _interpreted(softmax_aux.contiguous()))
-    res = _launch.run(launch, arrays)
+    res = _launcher().run(launch, arrays)
     return res["out"].to(q.dtype), res["lse"]
 
 
