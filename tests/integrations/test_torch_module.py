@@ -35,6 +35,70 @@ def test_bad_head_counts_are_rejected():
         MultiheadAttention(64, 4, num_kv_heads=3)
 
 
+@pytest.mark.parametrize("args,kw,match", [
+    ((30, 4), {}, "embed_dim .*divisible by num_heads"),
+    ((0, 4), {}, "embed_dim and num_heads must be greater than 0"),
+    ((64, 0), {}, "embed_dim and num_heads must be greater than 0"),
+])
+def test_constructor_checks_as_torch(args, kw, match):
+    """What torch.nn.MultiheadAttention refuses is refused here, with a ValueError saying why."""
+    with pytest.raises((ValueError, AssertionError)):
+        torch.nn.MultiheadAttention(*args, **kw)
+    with pytest.raises(ValueError, match=match):
+        MultiheadAttention(*args, **kw)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(algorithm="bogus"), ValueError, "algorithm"),
+    (dict(dropout=1.5), ValueError, "dropout"),
+    (dict(sliding_window=-2), ValueError, "window"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(logits_soft_cap="3"), TypeError, "logits_soft_cap"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(head_dim=0), ValueError, "head_dim"),
+    (dict(kdim=-1), ValueError, "kdim"),
+    (dict(num_sinks=-1), ValueError, "num_sinks"),
+    (dict(num_kv_heads=2.0), TypeError, "num_kv_heads"),
+])
+def test_bad_options_are_rejected_at_construction(kw, error, match):
+    with pytest.raises(error, match=match):
+        MultiheadAttention(64, 4, **kw)
+
+
+def test_head_dim_given_lifts_divisibility():
+    m = MultiheadAttention(30, 4, head_dim=16)
+    assert m.q_proj.out_features == 64 and m.o_proj.out_features == 30
+
+
+def test_unbatched_input_as_torch(torch_gen):
+    """(S, E) is one sequence, as in torch.nn.MultiheadAttention: the batched result of x[None], squeezed."""
+    assert torch.nn.MultiheadAttention(64, 4)(*(torch.randn(12, 64),) * 3)[0].shape == (12, 64)
+    m = MultiheadAttention(64, 4, num_kv_heads=2, causal=True, kdim=48, vdim=40)
+    x, kx, vx = torch.randn(20, 64), torch.randn(24, 48), torch.randn(24, 40)
+    out = m(x, kx, vx)
+    assert out.shape == (20, 64)
+    torch.testing.assert_close(out, m(x[None], kx[None], vx[None])[0], atol=0, rtol=0)
+    m = MultiheadAttention(64, 4, num_kv_heads=2, causal=True)
+    torch.testing.assert_close(m(x), _eager(m, x[None])[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((2, 16, 32),), "query must have embed_dim=64"),
+    (((2, 16, 64), (2, 16, 32), (2, 16, 64)), "key must have kdim=64"),
+    (((2, 16, 64), (2, 16, 64), (2, 16, 48)), "value must have vdim=64"),
+    (((64,),), "query must be 3-D"),
+    (((2, 2, 16, 64),), "query must be 3-D"),
+    (((16, 64), (2, 16, 64), (2, 16, 64)), "key must be 2-D like query"),
+    (((2, 16, 64), (2, 16, 64), (2, 12, 64)), "key .* and value .* must agree"),
+    (((2, 16, 64), (3, 16, 64), (3, 16, 64)), "key batch 3 must equal query batch 2"),
+])
+def test_bad_inputs_name_the_argument(shapes, match, torch_gen):
+    m = MultiheadAttention(64, 4)
+    tensors = [torch.randn(s, generator=torch_gen) for s in shapes]
+    with pytest.raises(ValueError, match=match):
+        m(*tensors)
+
+
 def test_compile_fullgraph_without_graph_breaks(torch_gen):
     m = MultiheadAttention(64, 4, num_kv_heads=2, causal=True, algorithm="flash")
     x = torch.randn(1, 32, 64, generator=torch_gen)
