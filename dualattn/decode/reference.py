@@ -43,8 +43,9 @@ def rotate(x, cos, sin, positions, interleaved: bool):
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                      softmax_aux=None):
-    """(out (B, Sq, Hq, D), lse (B, Hq, Sq), k_cache after, v_cache after), float64 NumPy."""
+                      softmax_aux=None, num_splits=0):
+    """(out (B, Sq, Hq, D), lse (B, Hq, Sq), k_cache after, v_cache after), float64 NumPy.
+    (num_splits is taken for the signature's sake: a split changes no result.)"""
     q, kc, vc = _f64(q), _f64(k_cache).copy(), _f64(v_cache).copy()
     k, v, cos, sin = _f64(k), _f64(v), _f64(rotary_cos), _f64(rotary_sin)
     batch, sq, hq, d = q.shape

@@ -56,7 +56,7 @@ def decode_combine(O_PART, LSE_PART, SINKS,
     w = tl.exp2((lse_s - top_safe) * LOG2E)
     total = row_sum(w, 0)
     out = row_sum(w[:, None] * o_s, 0) / tl.where(total > 0, total, 1.0)                      # [BLOCK_D]
-    lse = tl.where(total > 0, top_safe + tl.log2(total) * LN2, float("-inf"))
+    lse = tl.where(total > 0, top_safe + tl.log2(tl.where(total > 0, total, 1.0)) * LN2, float("-inf"))
     out2 = out[None, :]
     lse2 = tl.full((1,), 0.0, tl.float32) + lse
     if HAS_SINKS:
