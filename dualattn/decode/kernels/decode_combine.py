@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .decode_rows import row_max, row_sum
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
