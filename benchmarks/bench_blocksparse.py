@@ -8,7 +8,7 @@ blocks).  "dualattn-blocksparse" is what a call runs (128 x 128 blocks: the Gluo
 "dualattn-flash" the same mask through flash_attention where its options state it (window, documents).
 Each row gives the wall time of back-to-back calls (do_bench) and the kernel time: calls queued behind a
 sleeping GPU, so that the host's time to issue them does not count (a forward of ~0.3 ms is close to
-the torch path's host time; benchmarks/NOTES.md, "Time short problems by kernel time").
+the torch path's host time; docs/lessons.md, "Time short problems by kernel time").
 """
 import argparse
 import json

@@ -324,7 +324,7 @@ def _jax_run(args):
     def timeit(fn, reps, *a):
         # Back to back, one wait per round; the best of three rounds after a round of warm-up.  After one
         # warm-up call and one round, the world-size-1 ring, timed first, measured 5-10% below the very
-        # launch it runs (benchmarks/NOTES.md: "JAX timings need a warm-up round").
+        # launch it runs (docs/lessons.md: "JAX timings need a warm-up round").
         times = []
         for _ in range(4):
             t0 = time.perf_counter()

@@ -39,8 +39,8 @@ def per_call_us(fn, n=2000, blocks=5):
 
 
 def causal_op_arguments(q, k, v) -> dict:
-    """The torch op's named arguments for a causal forward of BSHD q, k, v (also used by
-    split_band.py), as the public function passes them."""
+    """The torch op's named arguments for a causal forward of BSHD q, k, v,
+    as the public function passes them."""
     from dualattn.torch_api import flash
     statics = dict(max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], softmax_scale=q.shape[-1] ** -0.5,
                    window_left=-1, window_right=0, logits_soft_cap=0.0, dropout_prob=0.0, dropout_seed=0,

@@ -1,6 +1,6 @@
 """Independent float64 references for the tests and the fuzz command (torch and numpy), not derived from the kernels.
 
-Semantics follow SPEC.md: scores s = (q . k) * scale, + bias, soft cap s = cap * tanh(s / cap), then
+Semantics follow docs/contract.md: scores s = (q . k) * scale, + bias, soft cap s = cap * tanh(s / cap), then
 the mask (window / causal on positions, segments, attention_mask).  Sinks (softmax_aux) are extra
 logits in each row's softmax denominator (not scaled, not capped, not masked) that add nothing to the
 output.  Dropout multiplies the probabilities by keep / (1 - p); the lse is unaffected.  A row with no

@@ -530,7 +530,7 @@ def flash_attention_pallas(query, key, value, *, options: FlashOptions, bias=Non
                            dropout_seed=None, return_lse=False, block_q=128, block_k=128, interpret=None):
     """Flash attention through the Pallas TPU kernels (interpreted off-TPU); differentiable.
 
-    Arguments are already validated by `dualattn.jax_api.flash_attention` (see SPEC.md):
+    Arguments are already validated by `dualattn.jax_api.flash_attention` (see docs/contract.md):
     query (B, Sq, Hq, D), key (B, Sk, Hkv, D), value (B, Sk, Hkv, Dv); bias / attention_mask
     (B or 1, Hq or 1, Sq, Sk); segment ids (B, Sq) / (B, Sk) (one given: used for both);
     softmax_aux (Hq, n), (Hq,) or (n,).  `options` carries scale, window/causal, soft cap.
