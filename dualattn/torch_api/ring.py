@@ -216,6 +216,36 @@ def _group_rank(group) -> Tuple[object, int, int]:
     return group, world, rank
 
 
+def _described(x) -> dict:
+    """What of an argument every rank must agree on: a tensor's dtype, shape and device type, or the
+    repr of any other value (field "")."""
+    if isinstance(x, torch.Tensor):
+        return dict(dtype=str(x.dtype).removeprefix("torch."), shape=tuple(x.shape), device=x.device.type)
+    return {"": repr(x)}
+
+
+def _check_same_on_every_rank(group, world: int, **arguments) -> None:
+    """ValueError, the same on every rank, unless every rank of `group` passed the same dtypes, shapes
+    and device types of its tensors and the same options.  Ranks that disagree would post transfers of
+    different sizes (or schedules with different steps) and fail or hang inside the backend, each
+    rank differently; one all_gather of the arguments' metadata, before any rank checks or launches
+    anything alone, turns that into one error everywhere."""
+    if world == 1:
+        return
+    every = [None] * world
+    dist.all_gather_object(every, {name: _described(x) for name, x in arguments.items()}, group=group)
+    for name in arguments:
+        described = [rank_args[name] for rank_args in every]
+        if any(d.keys() != described[0].keys() for d in described):   # a tensor on some ranks only
+            described = [{"": d.get("", f"a {d.get('dtype')} tensor of shape {d.get('shape')}")} for d in described]
+        for field in described[0]:
+            values = [d[field] for d in described]
+            if any(v != values[0] for v in values):
+                shown = ", ".join(f"rank {r} {v}" for r, v in enumerate(values) if r == 0 or v != values[0])
+                raise ValueError(f"{name}{' ' + field if field else ''} differs across ranks: {shown} (every rank "
+                                 f"of the group must pass its shard of the same call)")
+
+
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, causal: bool = False,
                    sliding_window=None, softmax_scale: Optional[float] = None,
                    logits_soft_cap: Optional[float] = None, softmax_aux: Optional[Tensor] = None,
@@ -246,6 +276,12 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    group, world, rank = _group_rank(group)
+    # First, so that every check below sees the same arguments on every rank and fails on all alike.
+    _check_same_on_every_rank(group, world, query=query, key=key, value=value, softmax_aux=softmax_aux,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
+                              sliding_window=sliding_window, softmax_scale=softmax_scale,
+                              logits_soft_cap=logits_soft_cap, layout=layout)
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     deterministic = check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     flash._check_devices(query=query, key=key, value=value, softmax_aux=softmax_aux, q_segment_ids=q_segment_ids,
@@ -257,7 +293,6 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
                          f"group), got {shapes.seqlen_q} and {shapes.seqlen_k}")
     options = FlashOptions.build(head_dim=shapes.head_dim, softmax_scale=softmax_scale, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    group, world, rank = _group_rank(group)
     ring_rules.check_layout(layout, shapes.seqlen_q * world, world)
     schedules = [ring_rules.ring_schedule(shapes.seqlen_q * world, world, layout, r, options.window_left,
                                           options.window_right) for r in range(world)]
