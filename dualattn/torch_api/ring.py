@@ -255,7 +255,10 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, cau
 
     Every rank of `group` calls it with its shard, the sequence sharded in `layout` order
     (`dualattn.ring_permutation`: rank r holds x[:, perm[r*L:(r+1)*L]]).  Every option means what it
-    means in `flash_attention` on the gathered sequence: masks use the global positions.
+    means in `flash_attention` on the gathered sequence: masks use the global positions.  Every rank
+    passes tensors of the same dtypes, shapes and device type and the same options: one all_gather of
+    that metadata per call (a host round trip) checks it first, and any difference is the same
+    ValueError on every rank.
 
     Args:
         query: (B, L, Hq, D); key / value: (B, L, Hkv, D / Dv), L = S / world size, Hq % Hkv == 0.
