@@ -9,9 +9,11 @@ from .nn import make_attention_fn
 class MultiHeadAttention(nnx.MultiHeadAttention):
     """flax.nnx.MultiHeadAttention with dualattn's attention (`jax_api.nn.make_attention_fn`).
 
-    Takes every argument of nnx.MultiHeadAttention (num_kv_heads for GQA included); `backend`,
-    `sliding_window` and `logits_soft_cap` configure the attention, and an explicit `attention_fn=`
-    still wins.  Dropout needs broadcast_dropout=False (one mask per batch and head).
+    Takes every argument of nnx.MultiHeadAttention (num_kv_heads for GQA included) and gives its
+    result; `backend`, `sliding_window` and `logits_soft_cap` configure the attention (see
+    make_attention_fn), and an explicit `attention_fn=` still wins.  Dropout runs on the kernels with
+    broadcast_dropout=False (one mask per batch and head); nnx's default broadcast_dropout=True draws
+    nnx's own (T, S) mask in nnx's own computation.
     """
 
     def __init__(self, *args, backend: str = "auto", sliding_window=None, logits_soft_cap=None,
