@@ -211,6 +211,16 @@ def _check_jax_backend(jax, t) -> None:
             f"(jax.devices() = {jax.devices()}); install a matching jaxlib, e.g. jax[cuda12]")
 
 
+def _check_options(fn: str, copy, return_info) -> Tuple[Optional[bool], bool]:
+    """copy: None or a bool; return_info: a bool (a string such as "yes" or "False" would be read by
+    truthiness, and copy="no" would copy)."""
+    if copy is not None and type(copy).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{fn}: copy must be None, True or False, got {type(copy).__name__} {copy!r}")
+    if type(return_info).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{fn}: return_info must be a bool, got {type(return_info).__name__} {return_info!r}")
+    return None if copy is None else bool(copy), bool(return_info)
+
+
 def torch_to_jax(t, *, copy: Optional[bool] = None, return_info: bool = False):
     """Share a torch tensor with JAX through DLPack; copy explicitly only when unavoidable.
 
@@ -233,6 +243,7 @@ def torch_to_jax(t, *, copy: Optional[bool] = None, return_info: bool = False):
       BufferError: ``copy=False`` and the memory cannot be shared.
       ImportError: torch or jax is not installed.
     """
+    copy, return_info = _check_options("torch_to_jax", copy, return_info)
     torch = _import_torch("torch_to_jax")
     jax = _import_jax("torch_to_jax")
     if not isinstance(t, torch.Tensor):
@@ -309,6 +320,7 @@ def jax_to_torch(a, *, copy: Optional[bool] = None, return_info: bool = False):
       BufferError: ``copy=False`` and the memory cannot be shared.
       ImportError: torch or jax is not installed.
     """
+    copy, return_info = _check_options("jax_to_torch", copy, return_info)
     jax = _import_jax("jax_to_torch")
     torch = _import_torch("jax_to_torch")
     if isinstance(a, jax.core.Tracer):

@@ -12,7 +12,16 @@ from typing import Callable
 
 import numpy as np
 
-from .sparse import SparseMask, as_numpy
+from .sparse import SparseMask, as_numpy, check_block_size
+
+
+def _whole(name: str, value, minimum: int) -> int:
+    """An int argument >= minimum (never a bool, a float or a string), named in the error."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 class MaskBuilder:
@@ -20,7 +29,13 @@ class MaskBuilder:
         self.fn, self.name = fn, name
 
     def __call__(self, batch, heads, seqlen_q, seqlen_k, block_q, block_k) -> np.ndarray:
-        bm = np.asarray(self.fn(batch, heads, seqlen_q, seqlen_k, block_q, block_k), dtype=bool)
+        _whole("block_q", block_q, 1)
+        _whole("block_k", block_k, 1)
+        raw = self.fn(batch, heads, seqlen_q, seqlen_k, block_q, block_k)
+        if raw is None or not 2 <= np.ndim(raw) <= 4:
+            raise ValueError(f"mask_builder {self.name} must return a block map (B|1, H|1, n_q_blocks, n_k_blocks) "
+                             f"(or its last 2 or 3 dims), got {type(raw).__name__} of shape {np.shape(raw)}")
+        bm = np.asarray(raw, dtype=bool)
         while bm.ndim < 4:
             bm = bm[None]
         return bm
@@ -67,18 +82,18 @@ def causal() -> MaskBuilder:
 
 def local(window) -> MaskBuilder:
     """Sliding window: int w -> (w, w) or (left, right), around the bottom-right diagonal."""
-    if window is None or isinstance(window, (bool, str)):
+    if window is None or isinstance(window, (bool, str)) or np.ndim(window) not in (0, 1) or (
+            np.ndim(window) == 1 and len(window) != 2):
         raise TypeError(f"local(window): window must be an int w or a (left, right) pair, got {window!r}")
-    left, right = (int(window), int(window)) if np.ndim(window) == 0 else window
-    if (left is not None and left < 0) or (right is not None and right < 0):
-        raise ValueError(f"local window sides must be >= 0, got {window}")
+    left, right = (window, window) if np.ndim(window) == 0 else window
+    left = None if left is None else _whole("local(window): the left side", left, 0)
+    right = None if right is None else _whole("local(window): the right side", right, 0)
     return MaskBuilder(lambda b, h, sq, sk, bq, bk: _band(sq, sk, bq, bk, left, right), f"local({window})")
 
 
 def strided(stride: int) -> MaskBuilder:
     """Key block j is active for query block i when (i - j) % stride == 0 (block-level stride)."""
-    if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
+    stride = _whole("strided(stride): stride", stride, 1)
 
     def fn(b, h, sq, sk, bq, bk):
         nq, nk = -(-sq // bq), -(-sk // bk)
@@ -88,8 +103,7 @@ def strided(stride: int) -> MaskBuilder:
 
 def global_tokens(n: int) -> MaskBuilder:
     """The first n keys are seen by every query, and the first n queries see every key."""
-    if n < 0:
-        raise ValueError(f"global_tokens needs n >= 0, got {n}")
+    n = _whole("global_tokens(n): n", n, 0)
 
     def fn(b, h, sq, sk, bq, bk):
         nq, nk = -(-sq // bq), -(-sk // bk)
@@ -128,6 +142,8 @@ def resolve_layout(layout, mask_builder, *, batch: int, heads: int, seqlen_q: in
     if (layout is None) == (mask_builder is None):
         raise ValueError("blocksparse_attention needs exactly one of layout= (a SparseMask) or mask_builder=")
     if layout is None:
+        check_block_size("block_q", block_q)
+        check_block_size("block_k", block_k)
         block_map = as_builder(mask_builder)(batch, heads, seqlen_q, seqlen_k, block_q, block_k)
         layout = SparseMask.from_block_map(block_map, block_q, block_k)
     elif not isinstance(layout, SparseMask):

@@ -31,6 +31,8 @@ import numpy as np
 from . import executor
 from .options import canonical_window
 from .sparse import SparseMask, as_numpy
+from .options import FlashOptions
+from .validation import check_dropout, check_flag, dtype_name
 
 # `auto` runs blocksparse when the mask leaves fewer than this fraction of the key blocks flash would
 # visit active (flash already skips blocks outside the causal/window band and, with segment ids, outside
@@ -201,6 +203,41 @@ def _where(cond, a: int, b: int):
     return jnp.where(jnp.asarray(cond).astype(bool), a, b).astype(jnp.int32)
 
 
+def _check_mask_array(name: str, x, expected: str, *, ndim: int, kinds: str) -> None:
+    """x is a torch tensor or a jax / numpy array of `ndim` dims whose dtype is bool ("b"), unsigned
+    ("u") or signed ("i") integer, among `kinds`; the errors name `name`."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be a torch tensor or a jax / numpy array {expected}, got {type(x).__name__}")
+    if len(x.shape) != ndim:
+        raise ValueError(f"{name} must be {expected}, got shape {tuple(x.shape)}")
+    dtype = dtype_name(x)
+    kind = "b" if dtype == "bool" else "u" if dtype.startswith("uint") else "i" if dtype.startswith("int") else ""
+    if kind not in kinds or not kind:
+        want = " or ".join({"b": "bool", "u": "unsigned", "i": "signed"}[k] for k in kinds) + " integers"
+        want = "bool or integers" if kinds == "bui" else want
+        raise TypeError(f"{name} must be {want}, got {dtype}")
+
+
+def _length(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_lengths(name: str, lengths, maximum: int, maximum_name: str) -> None:
+    """Per-sequence lengths: int (B,), each in [0, maximum] where the values are known now."""
+    _check_mask_array(name, lengths, "(B,)", ndim=1, kinds="ui")
+    if _is_symbolic(lengths):
+        return
+    values = as_numpy(lengths)
+    bad = values[(values < 0) | (values > maximum)]
+    if bad.size:
+        raise ValueError(f"MaskInfo.from_lengths: {name} must lie in [0, {maximum_name} = {maximum}], got "
+                         f"{bad[:8].tolist()}")
+
+
 def _segment_block_map(q_ids: np.ndarray, kv_ids: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
     """(B, 1, nq, nk): blocks holding some query and key with equal segment ids."""
     batch, sq = q_ids.shape
@@ -271,6 +308,8 @@ class MaskInfo:
         self.q_segment_ids = q_segment_ids
         self.kv_segment_ids = kv_segment_ids
         self.layout = layout
+        # What the user gave for the query / key ids, named in errors (from_padding, from_lengths).
+        self._sources: Tuple[str, str] = ("mask_info.q_segment_ids", "mask_info.kv_segment_ids")
         self._layouts: Dict[tuple, Optional[SparseMask]] = {}
         self._densities: Dict[tuple, Optional[float]] = {}   # block_density per arguments: the ids read once
         _register_pytree()
@@ -285,15 +324,34 @@ class MaskInfo:
         fewer: decoding with a cache).  Padded keys get id -1, padded queries -2, real tokens 0, so
         real queries see only real keys and padded queries nothing.
         """
-        seqlen_q = padding_mask.shape[1] if seqlen_q is None else int(seqlen_q)
-        return cls(q_segment_ids=_where(padding_mask[:, padding_mask.shape[1] - seqlen_q:], 0, -2),
+        _check_mask_array("padding_mask", padding_mask, "(B, Sk)", ndim=2, kinds="bui")
+        seqlen_k = padding_mask.shape[1]
+        seqlen_q = seqlen_k if seqlen_q is None else _length("seqlen_q", seqlen_q)
+        if seqlen_q > seqlen_k:
+            raise ValueError(f"MaskInfo.from_padding: seqlen_q ({seqlen_q}) must be <= the padding_mask's length "
+                             f"Sk ({seqlen_k}): the queries are the last seqlen_q key positions")
+        info = cls(q_segment_ids=_where(padding_mask[:, seqlen_k - seqlen_q:], 0, -2),
                    kv_segment_ids=_where(padding_mask, 0, -1), layout=layout)
+        info._sources = ("MaskInfo.from_padding(padding_mask)",) * 2
+        return info
 
     @classmethod
     def from_lengths(cls, q_lengths, kv_lengths=None, *, seqlen_q: int, seqlen_k: Optional[int] = None):
-        """From per-sequence valid lengths (B,) (right padding): position t is real iff t < length."""
-        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-        kv_lengths = q_lengths if kv_lengths is None else kv_lengths
+        """From per-sequence valid lengths (B,) (right padding): position t is real iff t < length.
+        Lengths are ints in [0, seqlen_q] / [0, seqlen_k] (checked where their values are known now,
+        not under jax.jit or torch.compile)."""
+        seqlen_q = _length("seqlen_q", seqlen_q)
+        seqlen_k = seqlen_q if seqlen_k is None else _length("seqlen_k", seqlen_k)
+        _check_lengths("q_lengths", q_lengths, seqlen_q, "seqlen_q")
+        if kv_lengths is None:
+            kv_lengths = q_lengths
+            if seqlen_k != seqlen_q:
+                _check_lengths("q_lengths (the key lengths too, with no kv_lengths)", q_lengths, seqlen_k, "seqlen_k")
+        else:
+            _check_lengths("kv_lengths", kv_lengths, seqlen_k, "seqlen_k")
+            if kv_lengths.shape[0] != q_lengths.shape[0]:
+                raise ValueError(f"MaskInfo.from_lengths: kv_lengths has batch {kv_lengths.shape[0]} but q_lengths "
+                                 f"has {q_lengths.shape[0]}")
 
         def ids(lengths, n: int, pad: int):
             torch = sys.modules.get("torch")
@@ -303,7 +361,11 @@ class MaskInfo:
             import jax.numpy as jnp
             return _where(jnp.arange(n)[None, :] < jnp.asarray(lengths).reshape(-1, 1), 0, pad)
 
-        return cls(q_segment_ids=ids(q_lengths, seqlen_q, -2), kv_segment_ids=ids(kv_lengths, seqlen_k, -1))
+        info = cls(q_segment_ids=ids(q_lengths, seqlen_q, -2), kv_segment_ids=ids(kv_lengths, seqlen_k, -1))
+        info._sources = ("MaskInfo.from_lengths(q_lengths)",
+                         "MaskInfo.from_lengths(kv_lengths)" if kv_lengths is not q_lengths
+                         else "MaskInfo.from_lengths(q_lengths)")
+        return info
 
     # -- what algorithms read ---------------------------------------------------------------------
 
@@ -324,8 +386,8 @@ class MaskInfo:
         if key not in self._layouts:
             q_ids, kv_ids = as_numpy(self.q_segment_ids), as_numpy(self.kv_segment_ids)
             if q_ids.shape[1] != seqlen_q or kv_ids.shape[1] != seqlen_k:
-                raise ValueError(f"mask_info segment ids have lengths ({q_ids.shape[1]}, {kv_ids.shape[1]}) but the "
-                                 f"query and key have ({seqlen_q}, {seqlen_k})")
+                raise ValueError(f"{self._sources[0]} / {self._sources[1]} give lengths ({q_ids.shape[1]}, "
+                                 f"{kv_ids.shape[1]}) but the query and key have ({seqlen_q}, {seqlen_k})")
             block_map = _segment_block_map(q_ids, kv_ids, block, block) & _band_map(seqlen_q, seqlen_k, causal,
                                                                                    sliding_window, block)
             self._layouts[key] = SparseMask.from_block_map(block_map, block, block)
@@ -389,12 +451,12 @@ def _register_pytree() -> None:
     import jax
 
     def flatten(info):
-        return (info.attention_mask, info.q_segment_ids, info.kv_segment_ids), info.layout
+        return (info.attention_mask, info.q_segment_ids, info.kv_segment_ids), (info.layout, info._sources)
 
-    def unflatten(layout, children):
+    def unflatten(static, children):
         info = MaskInfo.__new__(MaskInfo)
         info.attention_mask, info.q_segment_ids, info.kv_segment_ids = children
-        info.layout, info._layouts, info._densities = layout, {}, {}
+        (info.layout, info._sources), info._layouts, info._densities = static, {}, {}
         return info
 
     with _LOCK:
@@ -470,12 +532,15 @@ def attention(query, key, value, *, algorithm: str = "auto", mask_info: Optional
     from .interop import framework_of_arguments
     if mask_info is not None and not isinstance(mask_info, MaskInfo):
         raise TypeError(f"mask_info must be a dualattn.MaskInfo, got {type(mask_info).__name__}")
+    _check_options(algorithm, backend, autotune, dict(
+        softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob, dropout_seed=dropout_seed, return_lse=return_lse))
+    if mask_info is not None:
+        _check_segment_ids(mask_info, query, key)
     arrays = dict(key=key, value=value, softmax_aux=softmax_aux, bias=bias,
                   **(mask_info.fields() if mask_info is not None else {}))
     arrays.pop("layout", None)
     platform = framework_of_arguments("dualattn.attention", query, arrays)
-    if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "auto":
         algorithm = choose_algorithm(query, key, mask_info, causal=causal, sliding_window=sliding_window)
     impl = get_implementation(algorithm, platform, backend)
@@ -493,6 +558,41 @@ def attention(query, key, value, *, algorithm: str = "auto", mask_info: Optional
         return fn(query, key, value, **kwargs, **algorithm_kwargs)
 
 
+def _check_options(algorithm, backend, autotune, options: dict) -> None:
+    """The options `attention` and `Attention` take, checked before any dispatch: bools are bools (a
+    string such as "yes" or "False" would be read by truthiness), numbers numbers, names known
+    strings; the window, soft cap, scale and dropout as flash_attention checks them."""
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a str, got {type(algorithm).__name__} {algorithm!r}")
+    if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__} {backend!r}")
+    check_flag("autotune", autotune)
+    causal = options.get("causal")
+    if causal is not None:
+        check_flag("causal", causal)
+    if "return_lse" in options:
+        check_flag("return_lse", options["return_lse"])
+    check_dropout(options.get("dropout_prob", 0.0), options.get("dropout_seed"))
+    FlashOptions.build(head_dim=1, softmax_scale=options.get("softmax_scale"), causal=bool(causal),
+                       sliding_window=options.get("sliding_window"), logits_soft_cap=options.get("logits_soft_cap"), dropout_prob=options.get("dropout_prob", 0.0))
+
+
+def _check_segment_ids(info: MaskInfo, query, key) -> None:
+    """mask_info's segment ids against the query (B, Sq) and key (B, Sk), the errors naming what the user
+    gave (a padding mask, lengths or the ids themselves)."""
+    if info.q_segment_ids is None:
+        return
+    for ids, source, role, x in ((info.q_segment_ids, info._sources[0], "query", query),
+                                 (info.kv_segment_ids, info._sources[1], "key", key)):
+        want = (x.shape[0], x.shape[1]) if len(getattr(x, "shape", ())) == 4 else None
+        shape = tuple(getattr(ids, "shape", ()))
+        if want is not None and shape != want:
+            raise ValueError(f"{source} gives {role} ids of shape {shape}, but the {role} (B, S, H, D) = "
+                             f"{tuple(x.shape)} needs (B, S) = {want}")
+
+
 _DEFAULTS = dict(softmax_scale=None, causal=None, sliding_window=None, logits_soft_cap=None, softmax_aux=None,
                  bias=None, dropout_prob=0.0, dropout_seed=None, return_lse=False)
 
@@ -504,7 +604,7 @@ def _arguments(impl: Implementation, query, key, mask_info: Optional[MaskInfo], 
     for name, value in options.items():   # (identity tests: values may be arrays)
         if value is None or value is _DEFAULTS[name] or name == "dropout_prob" and value == 0.0:
             continue
-        given[name] = bool(value) if name == "causal" else value
+        given[name] = value   # (types and ranges: _check_options)
     if impl.causal_only:
         if given.pop("causal", True) is not True:
             raise ValueError(f"algorithm {impl.algorithm!r} is causal by definition; causal=False is not supported")
@@ -539,8 +639,7 @@ class Attention:
 
     def __init__(self, algorithm: str = "auto", *, autotune: bool = False, config=None,
                  backend: str = "auto", **defaults):
-        if algorithm not in ALGORITHMS and algorithm not in {name[0] for name in _IMPLEMENTATIONS}:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        _check_options(algorithm, backend, autotune, {k: v for k, v in defaults.items() if k in _DEFAULTS})
         self.algorithm, self.autotune, self.config, self.backend = algorithm, autotune, config, backend
         self.defaults = dict(defaults)
 

@@ -41,6 +41,15 @@ def _runs(counts: np.ndarray, indices: np.ndarray) -> bool:
     return bool(np.all((indices == expected) | (np.arange(n) >= counts[..., None])))
 
 
+def check_block_size(name: str, block) -> int:
+    """A layout's tile size: a power of two >= 16 (what the kernels tile by), given as an int."""
+    if not isinstance(block, (int, np.integer)) or isinstance(block, bool):
+        raise TypeError(f"{name} must be an int (a power of two >= 16), got {type(block).__name__} {block!r}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {block!r}")
+    return int(block)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class SparseMask:
     block_map: np.ndarray
@@ -62,9 +71,8 @@ class SparseMask:
         if bm.ndim != 4 or bm.dtype != np.bool_:
             raise ValueError(f"block_map must be a 4-D boolean array, got shape {bm.shape} and dtype {bm.dtype}")
         lb, lh, nq, nk = bm.shape
-        for name, b in (("block_q", self.block_q), ("block_k", self.block_k)):
-            if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 16 or b & (b - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {b!r}")
+        check_block_size("block_q", self.block_q)
+        check_block_size("block_k", self.block_k)
         for counts, indices, order, rows, cols, what in (
                 ("kv_counts", "kv_indices", "q_order", nq, nk, "key blocks per query block"),
                 ("q_counts", "q_indices", "k_order", nk, nq, "query blocks per key block")):
@@ -85,9 +93,8 @@ class SparseMask:
 
     @classmethod
     def from_block_map(cls, block_map, block_q: int, block_k: int) -> "SparseMask":
-        for name, b in (("block_q", block_q), ("block_k", block_k)):
-            if not isinstance(b, (int, np.integer)) or b < 16 or b & (b - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {b!r}")
+        check_block_size("block_q", block_q)
+        check_block_size("block_k", block_k)
         bm = as_numpy(block_map)
         if bm.ndim != 4:
             raise ValueError(f"block_map must be 4-D (B or 1, H or 1, n_q_blocks, n_k_blocks), got shape {bm.shape}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 from typing import Any, Optional
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -123,7 +124,15 @@ def check_flash_args(query, key, value, *, bias=None, attention_mask=None, q_seg
             raise ValueError(f"cu_seqlens_q {_shape(cu_seqlens_q)} and cu_seqlens_k {_shape(cu_seqlens_k)} "
                              "must have the same length (n_seqs + 1)")
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if m is None or int(m) < 1:
+            if m is None:
+                raise ValueError(f"{name} must be a positive int for varlen inputs, got None")
+            try:   # an int or what stands for one (numpy ints); never a float, a string or a bool
+                if type(m).__name__ in ("bool", "bool_"):
+                    raise TypeError
+                index = operator.index(m)
+            except TypeError:
+                raise TypeError(f"{name} must be an int, got {type(m).__name__} {m!r}") from None
+            if index < 1:
                 raise ValueError(f"{name} must be a positive int for varlen inputs, got {m!r}")
         for name, x in (("bias", bias), ("attention_mask", attention_mask),
                         ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):

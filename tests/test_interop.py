@@ -399,3 +399,16 @@ def test_cuda_offset_view_is_shared_and_gapped_view_copied():
         a, info = torch_to_jax(t[:, ::2], return_info=True)
     assert not info.zero_copy and info.device.startswith("gpu:")
     np.testing.assert_array_equal(np.asarray(a), t[:, ::2].cpu().numpy())
+
+
+@pytest.mark.parametrize("value", ["yes", "False", 1, 0.0])
+def test_copy_and_return_info_must_be_bools(value):
+    """copy="no" would copy and return_info="False" return a pair, read by truthiness: rejected, naming
+    the argument, in both directions."""
+    t, a = torch.ones(4), jnp.ones(4)
+    for convert, x in ((torch_to_jax, t), (jax_to_torch, a)):
+        with pytest.raises(TypeError, match="copy"):
+            convert(x, copy=value)
+        with pytest.raises(TypeError, match="return_info"):
+            convert(x, return_info=value)
+    assert jax_to_torch(a, copy=np.bool_(False)).shape == (4,)

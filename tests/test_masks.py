@@ -251,8 +251,44 @@ def test_builder_layout_lists():
 
 @pytest.mark.parametrize("block_q,block_k", [(48, 16), (16, 8), (0, 16), (16, -16), (16, 16.0), (True, 16)])
 def test_bad_block_sizes(block_q, block_k):
-    with pytest.raises(ValueError, match="power of two"):
+    """Sizes that are not powers of two >= 16 raise ValueError; a float or a bool TypeError; each names
+    the argument."""
+    name = "block_q" if type(block_q) is not int or block_q != 16 else "block_k"
+    error = TypeError if isinstance(block_q, (bool, float)) or isinstance(block_k, float) else ValueError
+    with pytest.raises(error, match=name):
         SparseMask.from_block_map(np.ones((1, 1, 2, 2), bool), block_q, block_k)
+
+
+@pytest.mark.parametrize("block_q,block_k", [(0, 16), (16, 0), (-32, 16), (16, 24), (16.0, 16)])
+def test_blocksparse_block_sizes_are_checked_before_the_builder_runs(block_q, block_k):
+    """blocksparse_attention with a mask_builder: a block size of 0 or less (once a ZeroDivisionError from
+    inside the builder), not a power of two, or a float is an error naming the argument, in both front
+    ends; so is a builder called directly with a block size below 1."""
+    import jax.numpy as jnp
+    import torch
+    import dualattn.jax_api as dj
+    import dualattn.torch_api as dt
+    name = "block_q" if type(block_q) is not int or block_q != 16 else "block_k"
+    error = TypeError if isinstance(block_q, float) else ValueError
+    t, x = torch.ones(1, 32, 1, 16), jnp.ones((1, 32, 1, 16))
+    with pytest.raises(error, match=name):
+        dt.blocksparse_attention(t, t, t, mask_builder=masks.causal(), block_q=block_q, block_k=block_k)
+    with pytest.raises(error, match=name):
+        dj.blocksparse_attention(x, x, x, mask_builder=masks.local(4), block_q=block_q, block_k=block_k,
+                                 backend="xla")
+    if block_q <= 0 or block_k <= 0:
+        with pytest.raises(ValueError, match=name):
+            masks.causal()(1, 1, 32, 32, block_q, block_k)
+
+
+@pytest.mark.parametrize("call,error,name", [
+    (lambda: masks.local(-1), ValueError, "left"), (lambda: masks.local((2, -3)), ValueError, "right"),
+    (lambda: masks.local(1.5), TypeError, "left"), (lambda: masks.local((1, 2, 3)), TypeError, "window"),
+    (lambda: masks.strided(0), ValueError, "stride"), (lambda: masks.strided("2"), TypeError, "stride"),
+    (lambda: masks.global_tokens(-1), ValueError, "n"), (lambda: masks.global_tokens(2.0), TypeError, "n")])
+def test_builder_arguments_are_checked(call, error, name):
+    with pytest.raises(error, match=name):
+        call()
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (1, 2, 2), (1, 1, 1, 2, 2)])

@@ -146,3 +146,74 @@ def test_attention_object_keeps_its_settings(torch_gen):
     torch.testing.assert_close(layer(q, k, v), dualattn.attention(q, k, v, causal=True, sliding_window=(8, 0)))
     torch.testing.assert_close(layer(q, k, v, sliding_window=None), dualattn.attention(q, k, v, causal=True))
     assert "flash" in repr(layer)
+
+
+def test_options_of_attention_and_Attention_are_checked(torch_gen):
+    """Bools must be bools (causal="yes" once ran causal), names strings among those registered, and
+    the window, soft cap, scale and dropout are checked as flash_attention checks them, by
+    dualattn.attention before any dispatch and by dualattn.Attention when it is made."""
+    q, k, v = _qkv(torch_gen)
+    bad = [(dict(causal="yes"), TypeError, "causal"), (dict(causal=1), TypeError, "causal"),
+           (dict(return_lse="no"), TypeError, "return_lse"), (dict(autotune="yes"), TypeError, "autotune"),
+           (dict(sliding_window=-2), ValueError, "sliding_window"), (dict(sliding_window=1.5), TypeError,
+                                                                    "sliding_window"),
+           (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"), (dict(logits_soft_cap="3"), TypeError,
+                                                                         "logits_soft_cap"),
+           (dict(softmax_scale="0.5"), TypeError, "softmax_scale"), (dict(softmax_scale=0.0), ValueError,
+                                                                    "softmax_scale"),
+           (dict(dropout_prob=1.0), ValueError, "dropout_prob"), (dict(dropout_prob="0.1"), TypeError,
+                                                                 "dropout_prob"),
+           (dict(algorithm=1), TypeError, "algorithm"), (dict(algorithm="flsh"), ValueError, "algorithm"),
+           (dict(backend=None), TypeError, "backend")]
+    for kwargs, error, name in bad:
+        with pytest.raises(error, match=name):
+            dualattn.attention(q, k, v, **kwargs)
+        algorithm = kwargs.pop("algorithm", "auto")
+        with pytest.raises(error, match=name):
+            dualattn.Attention(algorithm, **kwargs)
+    # numpy bools are bools; the checked call still runs
+    out = dualattn.attention(q, k, v, causal=np.bool_(True), autotune=False)
+    assert torch.equal(out, dualattn.attention(q, k, v, causal=True))
+
+
+def test_mask_info_constructors_check_their_arguments():
+    """from_padding: a (B, Sk) bool or integer mask, seqlen_q <= Sk; from_lengths: int (B,) lengths in
+    [0, seqlen]; each error names the argument the user passed."""
+    pad = torch.ones(2, 16, dtype=torch.bool)
+    bad = [(lambda: dualattn.MaskInfo.from_padding(pad.float()), TypeError, "padding_mask"),
+           (lambda: dualattn.MaskInfo.from_padding(pad[None]), ValueError, "padding_mask"),
+           (lambda: dualattn.MaskInfo.from_padding(pad[0]), ValueError, "padding_mask"),
+           (lambda: dualattn.MaskInfo.from_padding([[True, False]]), TypeError, "padding_mask"),
+           (lambda: dualattn.MaskInfo.from_padding(pad, seqlen_q=17), ValueError, "seqlen_q"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([-1, 5]), seqlen_q=16), ValueError, "q_lengths"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([17, 5]), seqlen_q=16), ValueError, "q_lengths"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([4, 5]), torch.tensor([3, 9]), seqlen_q=16,
+                                                   seqlen_k=8), ValueError, "kv_lengths"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([4, 5]), torch.tensor([3]), seqlen_q=16),
+            ValueError, "kv_lengths"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([4.0, 5.0]), seqlen_q=16), TypeError, "q_lengths"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([[4, 5]]), seqlen_q=16), ValueError, "q_lengths"),
+           (lambda: dualattn.MaskInfo.from_lengths(torch.tensor([4, 5]), seqlen_q="16"), TypeError, "seqlen_q")]
+    for call, error, name in bad:
+        with pytest.raises(error, match=name):
+            call()
+    # the edges are valid: no real token, every token real; an int mask
+    info = dualattn.MaskInfo.from_lengths(torch.tensor([0, 16]), seqlen_q=16)
+    assert info.q_segment_ids[0].eq(-2).all() and info.kv_segment_ids[1].eq(0).all()
+    assert torch.equal(dualattn.MaskInfo.from_padding(pad.int()).kv_segment_ids, torch.zeros(2, 16, dtype=torch.int32))
+
+
+def test_mask_info_of_the_wrong_shape_names_what_the_user_gave(torch_gen):
+    """A padding mask or lengths made for other shapes than the call's: the error names
+    from_padding(padding_mask) / from_lengths(q_lengths), not the q_segment_ids built from them."""
+    q, k, v = _qkv(torch_gen, b=2, s=32)
+    cases = [(dualattn.MaskInfo.from_padding(torch.ones(2, 40, dtype=torch.bool)), r"from_padding\(padding_mask\)"),
+             (dualattn.MaskInfo.from_padding(torch.ones(3, 32, dtype=torch.bool)), r"from_padding\(padding_mask\)"),
+             (dualattn.MaskInfo.from_lengths(torch.tensor([3, 4, 5]), seqlen_q=32), r"from_lengths\(q_lengths\)"),
+             (dualattn.MaskInfo.from_lengths(torch.tensor([3, 4]), torch.tensor([3, 4]), seqlen_q=32, seqlen_k=16),
+              r"from_lengths\(kv_lengths\)"),
+             (dualattn.MaskInfo(q_segment_ids=torch.zeros(32, dtype=torch.int32)), r"mask_info\.q_segment_ids")]
+    for info, name in cases:
+        for algorithm in ("auto", "flash", "blocksparse"):
+            with pytest.raises(ValueError, match=name):
+                dualattn.attention(q, k, v, mask_info=info, algorithm=algorithm)

@@ -447,3 +447,18 @@ def test_float_options_must_be_numbers():
             dt.flash_attention(q, q, q, **{name: value})
         with pytest.raises(TypeError, match=name):
             dj.flash_attention(x, x, x, backend="xla", **{name: value})
+
+
+def test_max_seqlen_and_builder_results_of_the_wrong_kind():
+    """max_seqlen "32" or 32.0 was read by int(); a mask builder returning None became a 1 x 1 layout:
+    both now name the argument (found by scanning the invalid-input surfaces)."""
+    q, cu = torch.ones(32, 1, 16), torch.tensor([0, 32], dtype=torch.int32)
+    x, cu_j = jnp.ones((32, 1, 16)), jnp.asarray([0, 32], jnp.int32)
+    for value in ("32", 32.0, True):
+        with pytest.raises(TypeError, match="max_seqlen_q"):
+            dt.flash_attn_varlen_func(q, q, q, cu, cu, value, 32)
+        with pytest.raises(TypeError, match="max_seqlen_k"):
+            dj.flash_attention_varlen(x, x, x, cu_j, cu_j, 32, value, backend="xla")
+    assert dt.flash_attn_varlen_func(q, q, q, cu, cu, np.int64(32), 32).shape == q.shape
+    with pytest.raises(ValueError, match="mask_builder"):
+        dt.blocksparse_attention(q[None], q[None], q[None], mask_builder=lambda *a: None, block_q=16, block_k=16)
